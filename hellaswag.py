@@ -33,6 +33,7 @@ CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag"
 SPLIT_SIZES = {"train": 39905, "val": 10042}  # examples per file; a different count means a bad file
 N_ENDINGS = 4
 PAD_ID = 0  # any valid id: padding comes after every real token, so no real position attends to it
+LOGITS_PER_CHUNK = 1 << 22  # logits computed at once when scoring: 16 MB in float32
 
 
 class HellaSwagError(Exception):
@@ -165,24 +166,31 @@ def ending_losses(model, rows, device, dtype=torch.float32):
     with autocast(torch.device(device).type, dtype):
         # Logits only where an ending token is predicted: the head over the whole vocabulary is
         # most of a small model's work, and the context positions' logits are never used.
-        logits = model.head(model.hidden_states(inputs)[scored])
-    token_losses = torch.zeros(targets.shape, device=logits.device)
-    token_losses[scored] = F.cross_entropy(logits.float(), targets[scored], reduction="none")
+        hidden = model.hidden_states(inputs)[scored]
+        # A chunk of positions at a time: a batch's logits (1.7 GB in float32 for 64 examples)
+        # never exist at once, and on a CPU a chunk's softmax runs in cache, not from memory.
+        chunk = max(1, LOGITS_PER_CHUNK // model.config.vocab_size)
+        losses = [F.cross_entropy(model.head(h).float(), t, reduction="none")
+                  for h, t in zip(hidden.split(chunk), targets[scored].split(chunk))]
+    token_losses = torch.zeros(targets.shape, device=hidden.device)
+    token_losses[scored] = torch.cat(losses)
     total = token_losses.sum(dim=1)
     return total, total / scored.sum(dim=1)
 
 
 def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
-    """Yields (indices, sum_loss, mean_loss) per batch of batch_size examples: indices into
-    examples, and (len(indices), 4) float32 CPU tensors. The longest examples go first: a
-    batch of similar lengths wastes little on padding, and the largest batch, the likeliest
-    to run out of memory, runs at once rather than at the end."""
-    rows = [example_rows(e, model.config.block_size) for e in examples]
-    order = sorted(range(len(rows)), key=lambda i: -max(len(tokens) for tokens, _ in rows[i]))
-    for b in range(0, len(order), batch_size):
-        indices = order[b : b + batch_size]
-        total, mean = ending_losses(model, [row for i in indices for row in rows[i]], device, dtype)
-        yield indices, total.view(-1, N_ENDINGS).cpu(), mean.view(-1, N_ENDINGS).cpu()
+    """Yields (keys, sum_loss, mean_loss) per forward pass of batch_size * 4 rows: keys the
+    (example index, ending index) of each row, the losses float32 CPU tensors (len(keys),).
+    Rows go longest first, whichever example they come from: a batch of near-equal lengths
+    wastes almost nothing on padding (an example's own four endings differ more), and the
+    largest batch, the likeliest to run out of memory, runs at once rather than at the end."""
+    rows = [((i, j), row) for i, example in enumerate(examples)
+            for j, row in enumerate(example_rows(example, model.config.block_size))]
+    rows.sort(key=lambda keyed_row: -len(keyed_row[1][0]))
+    for b in range(0, len(rows), batch_size * N_ENDINGS):
+        batch = rows[b : b + batch_size * N_ENDINGS]
+        total, mean = ending_losses(model, [row for _, row in batch], device, dtype)
+        yield [key for key, _ in batch], total.cpu(), mean.cpu()
 
 
 def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False):
@@ -191,14 +199,23 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
     given: the caller puts it on device and in eval mode."""
     examples = examples[rank::world_size]
     labels = torch.tensor([e["label"] for e in examples])
+    sum_loss, mean_loss = torch.zeros(len(examples), N_ENDINGS), torch.zeros(len(examples), N_ENDINGS)
+    rows_left = [N_ENDINGS] * len(examples)
     done = correct = correct_norm = 0
     bar = tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress)
-    for indices, sum_loss, mean_loss in score_batches(model, examples, device, batch_size, dtype):
-        correct += (sum_loss.argmin(dim=1) == labels[indices]).sum().item()
-        correct_norm += (mean_loss.argmin(dim=1) == labels[indices]).sum().item()
-        done += len(indices)
-        bar.set_postfix(acc_norm=f"{correct_norm / done:.4f}", refresh=False)
-        bar.update(len(indices))
+    for keys, total, mean in score_batches(model, examples, device, batch_size, dtype):
+        i, j = torch.tensor(keys).T
+        sum_loss[i, j], mean_loss[i, j] = total, mean
+        finished = []  # examples whose last row was in this batch
+        for example, _ in keys:
+            rows_left[example] -= 1
+            if rows_left[example] == 0:
+                finished.append(example)
+        correct += (sum_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
+        correct_norm += (mean_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
+        done += len(finished)
+        bar.set_postfix(acc_norm=f"{correct_norm / max(done, 1):.4f}", refresh=False)
+        bar.update(len(finished))
     bar.close()
     return {"n": len(examples), "correct": correct, "correct_norm": correct_norm}
 

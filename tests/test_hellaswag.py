@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+import hellaswag
 from checkpoint import load_model
 from conftest import make_hf_gpt2, run_script
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
@@ -75,8 +76,9 @@ def tiny(hf_dir):
 def all_scores(model, examples, batch_size):
     """(sum, mean) losses, (n, 4) each, in the order of examples."""
     sums, means = torch.zeros(len(examples), 4), torch.zeros(len(examples), 4)
-    for indices, s, m in score_batches(model, examples, "cpu", batch_size):
-        sums[indices], means[indices] = s, m
+    for keys, s, m in score_batches(model, examples, "cpu", batch_size):
+        i, j = torch.tensor(keys).T
+        sums[i, j], means[i, j] = s, m
     return sums, means
 
 
@@ -100,6 +102,15 @@ def test_batched_scores_equal_unbatched_and_the_definition(tiny, examples):
         for j, ending in enumerate(e["endings"]):
             expected = reference_score(tiny, ctx, enc.encode_ordinary(" " + ending))
             assert (sums[i, j].item(), means[i, j].item()) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_scores_do_not_depend_on_the_logits_chunk(tiny, examples, monkeypatch):
+    monkeypatch.setattr(hellaswag, "LOGITS_PER_CHUNK", 10**9)  # every batch's logits at once
+    whole = all_scores(tiny, examples, batch_size=16)
+    monkeypatch.setattr(hellaswag, "LOGITS_PER_CHUNK", 3 * tiny.config.vocab_size)  # 3 positions a chunk
+    chunked = all_scores(tiny, examples, batch_size=16)
+    for a, b in zip(whole, chunked):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_long_rows_keep_the_ending_and_drop_context_from_the_left():
