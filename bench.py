@@ -1,9 +1,12 @@
 """Benchmarks: training, tokenizing, the data loader and HellaSwag scoring, each measured
-beside a plain baseline in the same run, so every number is also a ratio. It asserts nothing.
+beside a plain baseline in the same run, so every number is also a ratio, and the device's
+dense matmul rate, the ceiling the FLOP rates are read against. It asserts nothing.
 
     python bench.py                                   # GPT-2 (124M) sizes on a GPU, small ones on a CPU
     python bench.py --quick                           # every part, tiny, well under a minute on 2 cores
     python bench.py --json bench/results/NAME.json    # also write the results as JSON
+    python bench.py --parts train --levers            # also the project with each lever switched off
+    python bench.py --parts train -B 64,96,128        # several batch sizes (out of memory is recorded)
 
 MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N without the
 position embedding) against the device's dense bf16 peak.
@@ -20,10 +23,12 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fineweb
 import hellaswag
@@ -33,7 +38,11 @@ from tokenizer import EOT, N_VOCAB, get_encoding
 from devices import autocast, peak_flops, pick_device, pick_dtype
 from train_gpt2 import forward_backward
 
-PARTS = ("train", "tokenize", "loader", "hellaswag")
+PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag")
+# What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
+# time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
+# rows; SDPA's fused attention kernel (off: its math fallback).
+LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
 
 
 def parse_args(argv=None):
@@ -45,10 +54,13 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--compile", default="auto", choices=["auto", "1", "0"])
     p.add_argument("--baseline", type=int, default=1, choices=[0, 1], help="also time the baseline variants")
+    p.add_argument("--levers", action="store_true",
+                   help=f"train: also time the project with each lever switched off in turn ({', '.join(LEVERS)})")
     p.add_argument("--n_layer", type=int, default=None, help="model size for train (default: by device)")
     p.add_argument("--n_head", type=int, default=None)
     p.add_argument("--n_embd", type=int, default=None)
-    p.add_argument("-B", "--micro_batch_size", type=int, default=None)
+    p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
+                   help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
     p.add_argument("-T", "--seq_len", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed training steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
@@ -59,15 +71,36 @@ def parse_args(argv=None):
     return args
 
 
+def batch_sizes(text):
+    sizes = [int(b) for b in text.split(",")]
+    if min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
 def train_config(args, device_type):
     """GPT-2 (124M) at B=64, T=1024 on a GPU; a small GPT on a CPU; a tiny one with --quick."""
     if args.quick:
-        size = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=2, seq_len=64, steps=2, warmup=1)
+        size = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=[2], seq_len=64, steps=2, warmup=1)
     elif device_type == "cuda":
-        size = dict(n_layer=12, n_head=12, n_embd=768, micro_batch_size=64, seq_len=1024, steps=20, warmup=5)
+        size = dict(n_layer=12, n_head=12, n_embd=768, micro_batch_size=[64], seq_len=1024, steps=20, warmup=5)
     else:
-        size = dict(n_layer=4, n_head=4, n_embd=256, micro_batch_size=8, seq_len=256, steps=5, warmup=2)
+        size = dict(n_layer=4, n_head=4, n_embd=256, micro_batch_size=[8], seq_len=256, steps=5, warmup=2)
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in size.items()}
+
+
+# ----------------------------------------------------------------------------- matmul
+
+def bench_matmul(args, device, results):
+    """The device's dense matmul rate in the benchmark's dtype, measured: the ceiling that
+    the FLOP rates of the other parts are read against (on a CPU no datasheet gives one)."""
+    device_type = device.split(":")[0]
+    dtype = pick_dtype(args.dtype, device_type)
+    n = 256 if args.quick else 8192 if device_type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = time_steps(lambda: a @ b, 3, 5 if args.quick else 20, device)
+    results.append(dict(name="matmul", variant="ceiling", config=f"{n}x{n} @ {n}x{n} {str(dtype).split('.')[1]}",
+                        flops_per_sec=2 * n**3 / seconds))
 
 
 # ----------------------------------------------------------------------------- train
@@ -85,42 +118,64 @@ def time_steps(step, n_warmup, n_steps, device):
     return statistics.median(times)
 
 
+def train_runs(args, compile_model, device_type):
+    """(variant, lever switched off or None) for each timed run, in order."""
+    runs = [("project", None)] + [("baseline", None)] * args.baseline
+    if args.levers:
+        applies = {"compile": compile_model, "fused_adamw": device_type == "cuda"}
+        runs += [("project", lever) for lever in LEVERS if applies.get(lever, True)]
+    return runs
+
+
 def bench_train(args, device, workdir, results):
-    cfg = train_config(args, device.split(":")[0])
-    B, T = cfg["micro_batch_size"], cfg["seq_len"]
     device_type = device.split(":")[0]
+    cfg = train_config(args, device_type)
+    T = cfg["seq_len"]
     dtype = pick_dtype(args.dtype, device_type)
     compile_model = args.compile == "1" or (args.compile == "auto" and device_type == "cuda")
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
-    write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, (cfg["steps"] + cfg["warmup"] + 1) * B * T + 1))
-    variants = {"project": train_step_project, "baseline": train_step_baseline}
-    for variant in variants if args.baseline else ["project"]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=T, vocab_size=50304, n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                              n_embd=cfg["n_embd"])).to(device)
-        step = variants[variant](model, shard, B, T, device, dtype, compile_model)
-        if device_type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
-        peak = peak_flops(device)
-        tokens_per_sec = B * T / seconds
-        results.append(dict(
-            name="train", variant=variant, config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} "
-            f"{str(dtype).split('.')[1]} compile={int(compile_model and variant == 'project')}",
-            tokens_per_sec=tokens_per_sec, ms_per_step=1000 * seconds,
-            mfu=model.flops_per_token(T) * tokens_per_sec / peak if peak else None,
-            peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None,
-        ))
-        del model, step
-        gc.collect()
+    n_tokens = (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * T + 1
+    write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))
+    for B in cfg["micro_batch_size"]:
+        for variant, off in train_runs(args, compile_model, device_type):
+            compiled = compile_model and variant == "project" and off != "compile"
+            result = dict(name="train", variant=variant, **({"without": off} if off else {}),
+                          config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} {str(dtype).split('.')[1]} "
+                                 f"compile={int(compiled)}")
+            torch.manual_seed(0)
+            torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
+            model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if off == "padded_vocab" else 50304,
+                                  n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
+            step = None
+            try:
+                if variant == "project":
+                    step = train_step_project(model, shard, B, T, device, dtype, compiled, off != "fused_adamw")
+                else:
+                    step = train_step_baseline(model, shard, B, T, device, dtype)
+                if device_type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                with sdpa_kernel(SDPBackend.MATH) if off == "flash_attention" else nullcontext():
+                    seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
+            except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
+                result["out_of_memory"] = True
+            else:
+                peak = peak_flops(device)
+                result.update(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
+                              mfu=model.flops_per_token(T) * B * T / seconds / peak if peak else None,
+                              peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+            results.append(result)
+            del model, step
+            gc.collect()
+            if device_type == "cuda":
+                torch.cuda.empty_cache()
 
 
-def train_step_project(model, shard, B, T, device, dtype, compile_model):
+def train_step_project(model, shard, B, T, device, dtype, compile_model, fused_adamw=True):
     """What train_gpt2.py does each step: compiled model, fused AdamW on CUDA, pinned async
     copies, one host sync per step (here with one micro-batch per step)."""
     device_type = device.split(":")[0]
     loader = ShardLoader([shard], B, T)
-    optimizer = model.configure_optimizers(0.1, 6e-4, device_type)
+    optimizer = model.configure_optimizers(0.1, 6e-4, device_type, fused=None if fused_adamw else False)
     compiled = torch.compile(model) if compile_model else model
     mixed_precision = autocast(device_type, dtype)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
@@ -136,7 +191,7 @@ def train_step_project(model, shard, B, T, device, dtype, compile_model):
     return step
 
 
-def train_step_baseline(model, shard, B, T, device, dtype, compile_model):
+def train_step_baseline(model, shard, B, T, device, dtype):
     """The plainest faithful loop: eager, for-loop AdamW, the whole shard in memory as int64,
     blocking copies, the loss read back after the forward."""
     device_type = device.split(":")[0]
@@ -284,17 +339,34 @@ def score_unbatched_full_logits(model, examples, device, dtype):
     return correct
 
 
+def scoring_flops(model, examples):
+    """Forward FLOPs that scoring examples takes, padding excluded: per row, PaLM's count of
+    2N + 4·L·C·T per token read (N the blocks' parameters, T the row's length), plus the head's
+    2·C·V at each ending position (the only ones whose logits are computed)."""
+    cfg = model.config
+    n_blocks = sum(p.numel() for p in model.transformer.h.parameters())
+    flops = 0
+    for example in examples:
+        for tokens, start in hellaswag.example_rows(example, cfg.block_size):
+            read = len(tokens) - 1
+            flops += (2 * n_blocks + 4 * cfg.n_layer * cfg.n_embd * read) * read
+            flops += 2 * cfg.n_embd * cfg.vocab_size * (len(tokens) - start)
+    return flops
+
+
 def bench_hellaswag(args, device, results):
-    """Examples per second: the project's scoring batched, the same one example per forward,
-    and the plain way. The variants take turns on chunks of examples, so changing load on the
-    machine slows them alike."""
+    """Examples per second: the project's scoring batched, the same code at 4 rows (one
+    example's worth) per forward, and the plain way. The variants take turns on chunks of
+    examples, so changing load on the machine slows them alike, and each chunk starts with
+    the next variant in turn: the one run after the baseline's large allocations is not
+    always the same."""
     device_type = device.split(":")[0]
     if args.quick:
         size, n, batch_size = dict(n_layer=2, n_head=2, n_embd=64), 16, 8
     elif device_type == "cuda":
-        size, n, batch_size = dict(n_layer=12, n_head=12, n_embd=768), 2048, 64
+        size, n, batch_size = dict(n_layer=12, n_head=12, n_embd=768), 1536, 64
     else:
-        size, n, batch_size = dict(n_layer=4, n_head=4, n_embd=256), 256, 16
+        size, n, batch_size = dict(n_layer=4, n_head=4, n_embd=256), 384, 16
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50304, **size)).to(device).eval()
     dtype = pick_dtype(args.dtype, device_type)
@@ -308,14 +380,17 @@ def bench_hellaswag(args, device, results):
         del variants["baseline"]
     seconds = dict.fromkeys(variants, 0.0)
     variants["batched"](examples[:batch_size])  # warm-up: allocations, kernel choice
-    for c in range(0, n, 2 * batch_size):
-        for variant, score in variants.items():
+    names = list(variants)
+    chunk = 4 * batch_size
+    for k, c in enumerate(range(0, n, chunk)):
+        for variant in names[k % len(names):] + names[: k % len(names)]:
             t0 = time.perf_counter()
-            score(examples[c: c + 2 * batch_size])  # each reads its results back, waiting for the device
+            variants[variant](examples[c: c + chunk])  # each reads its results back, waiting for the device
             seconds[variant] += time.perf_counter() - t0
     config = f"L{size['n_layer']} C{size['n_embd']}, {n} examples, " + "batch {}"
+    flops = scoring_flops(model, examples)
     for variant, s in seconds.items():
-        results.append(dict(name="hellaswag", variant=variant, examples_per_sec=n / s,
+        results.append(dict(name="hellaswag", variant=variant, examples_per_sec=n / s, flops_per_sec=flops / s,
                             config=config.format(batch_size if variant == "batched" else 1)))
 
 
@@ -326,6 +401,8 @@ def fmt(value, unit=""):
         return "-"
     if unit == "B":
         return f"{value / 2**20:,.0f} MiB"
+    if unit == "T":
+        return f"{value / 1e12:.3g}"
     if unit == "%":
         return f"{100 * value:.1f}%"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
@@ -335,8 +412,15 @@ def print_table(results):
     columns = [("part", "name", ""), ("variant", "variant", ""), ("config", "config", ""),
                ("tok/s", "tokens_per_sec", ""), ("ms/step", "ms_per_step", ""), ("MFU", "mfu", "%"),
                ("peak mem", "peak_mem_bytes", "B"), ("batches/s", "batches_per_sec", ""),
-               ("RSS added", "rss_bytes", "B"), ("examples/s", "examples_per_sec", "")]
-    rows = [[r[key] if key in ("name", "variant", "config") else fmt(r.get(key), unit) for _, key, unit in columns]
+               ("RSS added", "rss_bytes", "B"), ("examples/s", "examples_per_sec", ""),
+               ("TFLOP/s", "flops_per_sec", "T")]
+    def label(r, key):
+        if key == "variant" and "without" in r:
+            return f"{r['variant']} -{r['without']}"
+        if key == "config" and r.get("out_of_memory"):
+            return f"{r['config']}: out of memory"
+        return r[key]
+    rows = [[label(r, key) if key in ("name", "variant", "config") else fmt(r.get(key), unit) for _, key, unit in columns]
             for r in results]
     widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _, _) in enumerate(columns)]
     print("  ".join(title.ljust(w) for (title, _, _), w in zip(columns, widths)))
@@ -347,7 +431,16 @@ def print_table(results):
 def device_name(device):
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)" if device == "cpu" else device
+    return f"{cpu_model()} ({os.cpu_count()} cores)" if device == "cpu" else device
+
+
+def cpu_model():
+    """The processor's model name, from /proc/cpuinfo on Linux; the architecture elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def main(argv=None):
@@ -359,6 +452,8 @@ def main(argv=None):
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "results": []}
     print(f"{report['device']} | torch {report['torch']} | {report['date']} | {report['command']}")
     with tempfile.TemporaryDirectory() as workdir:
+        if "matmul" in args.parts:
+            bench_matmul(args, device, report["results"])
         if "train" in args.parts:
             bench_train(args, device, workdir, report["results"])
         if "tokenize" in args.parts:

@@ -1,17 +1,20 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
 import json
 
+import torch
+
+import bench
 from conftest import run_script
 
-FIGURES = {"train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
-           "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec"]}
-VARIANTS = {"train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
+FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
+           "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"]}
+VARIANTS = {"matmul": {"ceiling"}, "train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
             "loader": {"project", "baseline"}, "hellaswag": {"batched", "unbatched", "baseline"}}
 
 
 def test_quick_bench_writes_every_part_and_variant(tmp_path):
     out = tmp_path / "bench.json"
-    result = run_script("bench.py", "--quick", "--json", out)
+    result = run_script("bench.py", "--quick", "--levers", "--json", out)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert {"device", "torch", "command", "date"} <= report.keys() and "--quick" in report["command"]
@@ -20,6 +23,22 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
         assert {r["variant"] for r in rows} == variants, name
         for row in rows:
             assert all(isinstance(row[key], (int, float)) and row[key] >= 0 for key in FIGURES[name]), row
+    # On a CPU nothing is compiled and AdamW is not fused: the levers left to switch off.
+    levers = [r["without"] for r in report["results"] if "without" in r]
+    assert levers == ["padded_vocab", "flash_attention"]
     table = result.stdout.splitlines()
     assert table[0].startswith(report["device"]) and table[1].split()[:2] == ["part", "variant"]
     assert len(table) == 2 + len(report["results"])
+    assert "project -padded_vocab" in result.stdout
+
+
+def test_a_run_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+    monkeypatch.setattr(bench, "train_step_project", out_of_memory)
+    results = []
+    bench.bench_train(bench.parse_args(["--quick", "-B", "2,3"]), "cpu", str(tmp_path), results)
+    assert [(r["variant"], r["config"].split()[2], r.get("out_of_memory")) for r in results] == [
+        ("project", "B2", True), ("baseline", "B2", None), ("project", "B3", True), ("baseline", "B3", None)]
+    assert all(r["tokens_per_sec"] > 0 for r in results if r["variant"] == "baseline")
+    assert not any("tokens_per_sec" in r for r in results if r["variant"] == "project")
