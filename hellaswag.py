@@ -168,7 +168,7 @@ def ending_losses(model, rows, device, dtype=torch.float32):
         # most of a small model's work, and the context positions' logits are never used.
         hidden = model.hidden_states(inputs)[scored]
         # A chunk of positions at a time: a batch's logits (1.7 GB in float32 for 64 examples)
-        # never exist at once, and on a CPU a chunk's softmax runs in cache, not from memory.
+        # never exist at once, so the batch size is bounded by the model, not by the head.
         chunk = max(1, LOGITS_PER_CHUNK // model.config.vocab_size)
         losses = [F.cross_entropy(model.head(h).float(), t, reduction="none")
                   for h, t in zip(hidden.split(chunk), targets[scored].split(chunk))]
