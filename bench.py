@@ -142,32 +142,39 @@ def bench_train(args, device, workdir, results):
             result = dict(name="train", variant=variant, **({"without": off} if off else {}),
                           config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} {str(dtype).split('.')[1]} "
                                  f"compile={int(compiled)}")
-            torch.manual_seed(0)
-            torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-            model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if off == "padded_vocab" else 50304,
-                                  n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
-            step = None
-            try:
-                if variant == "project":
-                    step = train_step_project(model, shard, B, T, device, dtype, compiled, off != "fused_adamw")
-                else:
-                    step = train_step_baseline(model, shard, B, T, device, dtype)
-                if device_type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                with sdpa_kernel(SDPBackend.MATH) if off == "flash_attention" else nullcontext():
-                    seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
-            except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
-                result["out_of_memory"] = True
-            else:
-                peak = peak_flops(device)
-                result.update(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
-                              mfu=model.flops_per_token(T) * B * T / seconds / peak if peak else None,
-                              peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+            result.update(time_train_run(cfg, B, variant, off, compiled, shard, device, dtype))
             results.append(result)
-            del model, step
-            gc.collect()
-            if device_type == "cuda":
-                torch.cuda.empty_cache()
+
+
+def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
+    """The figures of one timed run on a fresh model, or {"out_of_memory": True}."""
+    device_type = device.split(":")[0]
+    T = cfg["seq_len"]
+    torch.manual_seed(0)
+    torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
+    model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if off == "padded_vocab" else 50304,
+                          n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
+    step = None
+    try:
+        if variant == "project":
+            step = train_step_project(model, shard, B, T, device, dtype, compiled, off != "fused_adamw")
+        else:
+            step = train_step_baseline(model, shard, B, T, device, dtype)
+        if device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with sdpa_kernel(SDPBackend.MATH) if off == "flash_attention" else nullcontext():
+            seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
+        peak = peak_flops(device)
+        return dict(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
+                    mfu=model.flops_per_token(T) * B * T / seconds / peak if peak else None,
+                    peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+    except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
+        return {"out_of_memory": True}
+    finally:  # the next run starts with the device's memory free
+        del model, step
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def train_step_project(model, shard, B, T, device, dtype, compile_model, fused_adamw=True):
@@ -414,6 +421,7 @@ def print_table(results):
                ("peak mem", "peak_mem_bytes", "B"), ("batches/s", "batches_per_sec", ""),
                ("RSS added", "rss_bytes", "B"), ("examples/s", "examples_per_sec", ""),
                ("TFLOP/s", "flops_per_sec", "T")]
+
     def label(r, key):
         if key == "variant" and "without" in r:
             return f"{r['variant']} -{r['without']}"
