@@ -494,7 +494,8 @@ def train(args):
     # Evaluation and sampling use the plain module (same weights), so they work with compile on.
     model = torch.compile(raw_model) if resolve_compile(args.compile, device_type, log) else raw_model
     if world_size > 1:
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+        # Gradients as views into DDP's all-reduce buckets: no second gradient-sized buffer, no copy.
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True)
     if args.sample_interval and raw_model.config.vocab_size < N_VOCAB:
         log(f"note: no samples: a vocabulary of {raw_model.config.vocab_size} cannot encode the GPT-2 prompt")
         args.sample_interval = 0

@@ -149,9 +149,10 @@ def test_gradient_accumulation_equals_one_big_batch(shards, tmp_path):
 
 
 def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
+    # Two micro-steps a step on both sides: the first under no_sync, gradients as bucket views.
     single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4")
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
-                          "--total_batch_size", "256", "-B", "4", "--max_steps", "4")
+                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world size 2" in result.stdout
     assert_same_run(single, read_log(tmp_path / "ddp"))
