@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fineweb
 import hellaswag
+from atomic import atomic_open
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
@@ -56,26 +57,50 @@ def parse_args(argv=None):
     p.add_argument("--baseline", type=int, default=1, choices=[0, 1], help="also time the baseline variants")
     p.add_argument("--levers", action="store_true",
                    help=f"train: also time the project with each lever switched off in turn ({', '.join(LEVERS)})")
-    p.add_argument("--n_layer", type=int, default=None, help="model size for train (default: by device)")
-    p.add_argument("--n_head", type=int, default=None)
-    p.add_argument("--n_embd", type=int, default=None)
+    p.add_argument("--n_layer", type=positive_int, default=None, help="model size for train (default: by device)")
+    p.add_argument("--n_head", type=positive_int, default=None)
+    p.add_argument("--n_embd", type=positive_int, default=None)
     p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
                    help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
-    p.add_argument("-T", "--seq_len", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="timed training steps (after warm-up)")
+    p.add_argument("-T", "--seq_len", type=positive_int, default=None)
+    p.add_argument("--steps", type=positive_int, default=None, help="timed training steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
     args = p.parse_args(argv)
+    # Every check here, before anything is timed: a mistake must not cost a GPU's benchmark run.
     args.parts = args.parts.split(",")
     if unknown := set(args.parts) - set(PARTS):
         p.error(f"unknown part(s) {', '.join(sorted(unknown))}")
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(f"--device: {e}")
+    cfg = train_config(args, args.device.split(":")[0])
+    if cfg["n_embd"] % cfg["n_head"]:
+        p.error(f"--n_embd {cfg['n_embd']} is not divisible by --n_head {cfg['n_head']}")
+    if cfg["warmup"] < 0:
+        p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
+    if args.json:
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json}: a directory, not a file name")
+        try:  # a file written and removed where atomic_open will write its temporary file
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            probe = f"{args.json}.tmp{os.getpid()}"
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot write there ({e.strerror})")
     return args
 
 
-def batch_sizes(text):
-    sizes = [int(b) for b in text.split(",")]
-    if min(sizes) < 1:
+def positive_int(text):
+    value = int(text)
+    if value < 1:
         raise ValueError(text)
-    return sizes
+    return value
+
+
+def batch_sizes(text):
+    return [positive_int(b) for b in text.split(",")]
 
 
 def train_config(args, device_type):
@@ -453,7 +478,7 @@ def cpu_model():
 
 def main(argv=None):
     args = parse_args(argv)
-    device = pick_device(args.device)
+    device = args.device
     torch.set_float32_matmul_precision("high")
     report = {"device": device_name(device), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable), "bench.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -472,8 +497,7 @@ def main(argv=None):
             bench_hellaswag(args, device, report["results"])
     print_table(report["results"])
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+        with atomic_open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
 

@@ -1,6 +1,8 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
 import json
+import os
 
+import pytest
 import torch
 
 import bench
@@ -42,3 +44,23 @@ def test_a_run_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypa
         ("project", "B2", True), ("baseline", "B2", None), ("project", "B3", True), ("baseline", "B3", None)]
     assert all(r["tokens_per_sec"] > 0 for r in results if r["variant"] == "baseline")
     assert not any("tokens_per_sec" in r for r in results if r["variant"] == "project")
+
+
+def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, capsys):
+    missing_device = "mps" if torch.cuda.is_available() else "cuda"
+    cases = [(["--n_head", "3", "--n_embd", "64"], "--n_embd 64 is not divisible by --n_head 3"),
+             (["--n_head", "3"], "--n_embd 64 is not divisible by --n_head 3"),  # the size's default n_embd
+             (["--device", missing_device], f"--device: device {missing_device}"),
+             (["--json", str(tmp_path)], "a directory, not a file name"),
+             (["--json", str(tmp_path / "file" / "x.json")], "cannot write there"),
+             (["--parts", "train,foo"], "unknown part(s) foo"),
+             (["-B", "64,0"], "invalid batch_sizes value: '64,0'"),
+             (["--warmup", "-1"], "--warmup must be 0 or more")]
+    (tmp_path / "file").write_text("")
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--quick", *flags])
+        assert e.value.code == 2, flags
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert "error: " in error and message in error, (flags, error)
+    assert os.listdir(tmp_path) == ["file"]
