@@ -562,6 +562,11 @@ def train(args):
                     write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log)
                 log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
                 break
+    if world_size > 1:
+        # The ranks leave together, once rank 0 has written the last checkpoint. A rank that exits
+        # right after its last all-reduce can abort at interpreter exit under gloo (a worker thread
+        # still freeing that all-reduce's tensors needs the GIL), failing a finished run.
+        dist.barrier()
     return raw_model
 
 

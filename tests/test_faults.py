@@ -223,13 +223,14 @@ sys.path.insert(0, {repo!r})
 import train_gpt2
 args = train_gpt2.parse_args(sys.argv[1:])
 model = train_gpt2.train(args)
-torch.save(model.state_dict(), os.path.join(args.log_dir, "rank%s.pt" % os.environ["RANK"]))
+checkpoints = sorted(f for f in os.listdir(args.log_dir) if f.startswith("ckpt_"))  # on disk as train() returned
+torch.save(dict(weights=model.state_dict(), checkpoints=checkpoints), os.path.join(args.log_dir, "rank%s.pt" % os.environ["RANK"]))
 """
 
 
 def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
     """A NaN and a SIGTERM on rank 1 only: both ranks skip the same step, stop after the same
-    step, and end with bit-identical weights."""
+    step, end with bit-identical weights, and leave train() once rank 0's checkpoint is written."""
     script = tmp_path / "dump_replicas.py"
     script.write_text(REPLICA_DUMP.format(repo=REPO))
     args = [str(script), *TINY, "--data_dir", shards, "--log_dir", str(tmp_path), *RUN, "-B", "4",
@@ -240,7 +241,9 @@ def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
     assert [r["step"] for r in records if r.get("skipped_step")] == [1]
     assert [r["step"] for r in train_records(records)] == [0, 2, 3]
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000004.pt"]
-    assert_weights_equal(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))
+    replicas = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert_weights_equal(replicas[0]["weights"], replicas[1]["weights"])
+    assert replicas[1]["checkpoints"] == ["ckpt_000004.pt"]
 
 
 def test_ranks_stop_together_after_too_many_bad_steps_on_one_rank(shards, tmp_path):
