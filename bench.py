@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--json", default=None, help="write the results to this JSON file, rewritten after each result")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--compile", default="auto", choices=["auto", "1", "0"])
@@ -116,7 +116,7 @@ def train_config(args, device_type):
 
 # ----------------------------------------------------------------------------- matmul
 
-def bench_matmul(args, device, results):
+def bench_matmul(args, device, record):
     """The device's dense matmul rate in the benchmark's dtype, measured: the ceiling that
     the FLOP rates of the other parts are read against (on a CPU no datasheet gives one)."""
     device_type = device.split(":")[0]
@@ -124,7 +124,7 @@ def bench_matmul(args, device, results):
     n = 256 if args.quick else 8192 if device_type == "cuda" else 2048
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = time_steps(lambda: a @ b, 3, 5 if args.quick else 20, device)
-    results.append(dict(name="matmul", variant="ceiling", config=f"{n}x{n} @ {n}x{n} {str(dtype).split('.')[1]}",
+    record(dict(name="matmul", variant="ceiling", config=f"{n}x{n} @ {n}x{n} {str(dtype).split('.')[1]}",
                         flops_per_sec=2 * n**3 / seconds))
 
 
@@ -152,7 +152,7 @@ def train_runs(args, compile_model, device_type):
     return runs
 
 
-def bench_train(args, device, workdir, results):
+def bench_train(args, device, workdir, record):
     device_type = device.split(":")[0]
     cfg = train_config(args, device_type)
     T = cfg["seq_len"]
@@ -168,11 +168,11 @@ def bench_train(args, device, workdir, results):
                           config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} {str(dtype).split('.')[1]} "
                                  f"compile={int(compiled)}")
             result.update(time_train_run(cfg, B, variant, off, compiled, shard, device, dtype))
-            results.append(result)
+            record(result)
 
 
 def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
-    """The figures of one timed run on a fresh model, or {"out_of_memory": True}."""
+    """The figures of one timed run on a fresh model, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     T = cfg["seq_len"]
     torch.manual_seed(0)
@@ -195,6 +195,10 @@ def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
                     peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}
+    except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        print(f"warning: train {variant}{f' -{off}' if off else ''} B{B} failed: {error}", file=sys.stderr)
+        return {"error": error}
     finally:  # the next run starts with the device's memory free
         del model, step
         gc.collect()
@@ -274,7 +278,7 @@ def read_batches(variant, shard, B, T, n_batches):
     return seconds, resident_bytes() - before if before is not None else None
 
 
-def bench_loader(args, workdir, results):
+def bench_loader(args, workdir, record):
     """Batches per second and the memory one rank's loader adds, for two shard sizes: the
     project's positioned reads against loading the whole shard as int64."""
     B, T = (4, 256) if args.quick else (16, 1024)
@@ -286,7 +290,7 @@ def bench_loader(args, workdir, results):
             write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))
             for variant in ("project", "baseline") if args.baseline else ("project",):
                 seconds, rss = pool.apply(read_batches, (variant, shard, B, T, n_batches))
-                results.append(dict(name="loader", variant=variant, config=f"shard {n_tokens:,} tokens, B{B} T{T}",
+                record(dict(name="loader", variant=variant, config=f"shard {n_tokens:,} tokens, B{B} T{T}",
                                     batches_per_sec=n_batches / seconds, rss_bytes=rss))
             os.remove(shard)
 
@@ -319,7 +323,7 @@ def baseline_tokenize(texts, num_proc):
         yield from pool.imap(encode_one, texts)
 
 
-def bench_tokenize(args, results):
+def bench_tokenize(args, record):
     """fineweb.py's chunked process pool against one document per Pool.imap task, on the same
     documents with the same number of processes; runs alternate, so load from elsewhere on
     the machine falls on both alike, and the median of three is kept."""
@@ -335,7 +339,7 @@ def bench_tokenize(args, results):
                 rates.append(tokens / (time.perf_counter() - t0))
     for variant, (_, rates) in runs.items():
         if rates:
-            results.append(dict(name="tokenize", variant=variant, tokens_per_sec=statistics.median(rates),
+            record(dict(name="tokenize", variant=variant, tokens_per_sec=statistics.median(rates),
                                 config=f"{sum(map(len, texts)) / 1e6:.0f} MB, {len(texts):,} docs, {num_proc} processes"))
 
 
@@ -386,7 +390,7 @@ def scoring_flops(model, examples):
     return flops
 
 
-def bench_hellaswag(args, device, results):
+def bench_hellaswag(args, device, record):
     """Examples per second: the project's scoring batched, the same code at 4 rows (one
     example's worth) per forward, and the plain way. The variants take turns on chunks of
     examples, so changing load on the machine slows them alike, and each chunk starts with
@@ -422,7 +426,7 @@ def bench_hellaswag(args, device, results):
     config = f"L{size['n_layer']} C{size['n_embd']}, {n} examples, " + "batch {}"
     flops = scoring_flops(model, examples)
     for variant, s in seconds.items():
-        results.append(dict(name="hellaswag", variant=variant, examples_per_sec=n / s, flops_per_sec=flops / s,
+        record(dict(name="hellaswag", variant=variant, examples_per_sec=n / s, flops_per_sec=flops / s,
                             config=config.format(batch_size if variant == "batched" else 1)))
 
 
@@ -452,6 +456,8 @@ def print_table(results):
             return f"{r['variant']} -{r['without']}"
         if key == "config" and r.get("out_of_memory"):
             return f"{r['config']}: out of memory"
+        if key == "config" and "error" in r:
+            return f"{r['config']}: failed, {r['error']}"
         return r[key]
     rows = [[label(r, key) if key in ("name", "variant", "config") else fmt(r.get(key), unit) for _, key, unit in columns]
             for r in results]
@@ -484,21 +490,24 @@ def main(argv=None):
               "command": " ".join([os.path.basename(sys.executable), "bench.py", *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "results": []}
     print(f"{report['device']} | torch {report['torch']} | {report['date']} | {report['command']}")
+
+    def record(result):  # the JSON is rewritten after each result: a run cut short keeps what it measured
+        report["results"].append(result)
+        if args.json:
+            with atomic_open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     with tempfile.TemporaryDirectory() as workdir:
         if "matmul" in args.parts:
-            bench_matmul(args, device, report["results"])
+            bench_matmul(args, device, record)
         if "train" in args.parts:
-            bench_train(args, device, workdir, report["results"])
+            bench_train(args, device, workdir, record)
         if "tokenize" in args.parts:
-            bench_tokenize(args, report["results"])
+            bench_tokenize(args, record)
         if "loader" in args.parts:
-            bench_loader(args, workdir, report["results"])
+            bench_loader(args, workdir, record)
         if "hellaswag" in args.parts:
-            bench_hellaswag(args, device, report["results"])
+            bench_hellaswag(args, device, record)
     print_table(report["results"])
-    if args.json:
-        with atomic_open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

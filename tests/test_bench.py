@@ -34,16 +34,32 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
     assert "project -padded_vocab" in result.stdout
 
 
-def test_a_run_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
-    def out_of_memory(*args, **kwargs):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
-    monkeypatch.setattr(bench, "train_step_project", out_of_memory)
+@pytest.mark.parametrize("failure, recorded", [
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB"), {"out_of_memory": True}),
+    (RuntimeError("backend compiler failed\n(a long trace)"), {"error": "RuntimeError: backend compiler failed"})])
+def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, failure, recorded):
+    def fail(*args, **kwargs):
+        raise failure
+    monkeypatch.setattr(bench, "train_step_project", fail)
     results = []
-    bench.bench_train(bench.parse_args(["--quick", "-B", "2,3"]), "cpu", str(tmp_path), results)
-    assert [(r["variant"], r["config"].split()[2], r.get("out_of_memory")) for r in results] == [
-        ("project", "B2", True), ("baseline", "B2", None), ("project", "B3", True), ("baseline", "B3", None)]
-    assert all(r["tokens_per_sec"] > 0 for r in results if r["variant"] == "baseline")
-    assert not any("tokens_per_sec" in r for r in results if r["variant"] == "project")
+    bench.bench_train(bench.parse_args(["--quick", "-B", "2,3"]), "cpu", str(tmp_path), results.append)
+    assert [(r["variant"], r["config"].split()[2]) for r in results] == [
+        ("project", "B2"), ("baseline", "B2"), ("project", "B3"), ("baseline", "B3")]
+    for r in results:
+        if r["variant"] == "project":
+            assert recorded.items() <= r.items() and "tokens_per_sec" not in r
+        else:
+            assert r["tokens_per_sec"] > 0 and not {"out_of_memory", "error"} & r.keys()
+
+
+def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "bench_loader", interrupted)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--parts", "matmul,loader", "--json", str(out)])
+    assert [(r["name"], r["variant"]) for r in json.loads(out.read_text())["results"]] == [("matmul", "ceiling")]
 
 
 def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, capsys):
