@@ -563,9 +563,8 @@ def train(args):
                 log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
                 break
     if world_size > 1:
-        # The ranks leave together, once rank 0 has written the last checkpoint. A rank that exits
-        # right after its last all-reduce can abort at interpreter exit under gloo (a worker thread
-        # still freeing that all-reduce's tensors needs the GIL), failing a finished run.
+        # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
+        # the run finished while the checkpoint it would resume from is still being written.
         dist.barrier()
     return raw_model
 
