@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fineweb
 import hellaswag
-from atomic import atomic_open
+from atomic import atomic_open, temporary_path
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
@@ -84,9 +84,8 @@ def parse_args(argv=None):
             p.error(f"--json {args.json}: a directory, not a file name")
         try:  # a file written and removed where atomic_open will write its temporary file
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            probe = f"{args.json}.tmp{os.getpid()}"
-            open(probe, "w").close()
-            os.remove(probe)
+            open(temporary_path(args.json), "w").close()
+            os.remove(temporary_path(args.json))
         except OSError as e:
             p.error(f"--json {args.json}: cannot write there ({e.strerror})")
     return args

@@ -23,6 +23,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from atomic import atomic_open
 from checkpoint import CheckpointError, load_model
 from devices import autocast, pick_device, pick_dtype
 from tokenizer import get_encoding
@@ -90,21 +91,16 @@ def read_examples(path, expected=None):
 
 
 def download(url, path):
-    """Fetches url to path through a temporary name, renamed once complete: an interrupted
-    download never takes the final name."""
+    """Fetches url to path through a temporary name (one per process: DDP ranks may download
+    at once), renamed once complete: an interrupted download never takes the final name."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"  # one per process: DDP ranks may download at once
     print(f"downloading {url} to {path}")
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=60) as response, atomic_open(path) as f:
             shutil.copyfileobj(response, f)
-        os.replace(tmp, path)
     except (OSError, http.client.HTTPException) as e:  # URLError and timeouts are OSErrors
         raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); "
                              f"pass --data PATH to score a local copy") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def load_examples(path=None, split="val", cache_dir=None):
