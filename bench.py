@@ -124,7 +124,7 @@ def bench_matmul(args, device, record):
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = time_steps(lambda: a @ b, 3, 5 if args.quick else 20, device)
     record(dict(name="matmul", variant="ceiling", config=f"{n}x{n} @ {n}x{n} {str(dtype).split('.')[1]}",
-                        flops_per_sec=2 * n**3 / seconds))
+                flops_per_sec=2 * n**3 / seconds))
 
 
 # ----------------------------------------------------------------------------- train
@@ -195,7 +195,8 @@ def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}
     except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        first_line = next(iter(str(e).strip().splitlines()), "")
+        error = f"{type(e).__name__}: {first_line}"
         print(f"warning: train {variant}{f' -{off}' if off else ''} B{B} failed: {error}", file=sys.stderr)
         return {"error": error}
     finally:  # the next run starts with the device's memory free
@@ -290,7 +291,7 @@ def bench_loader(args, workdir, record):
             for variant in ("project", "baseline") if args.baseline else ("project",):
                 seconds, rss = pool.apply(read_batches, (variant, shard, B, T, n_batches))
                 record(dict(name="loader", variant=variant, config=f"shard {n_tokens:,} tokens, B{B} T{T}",
-                                    batches_per_sec=n_batches / seconds, rss_bytes=rss))
+                            batches_per_sec=n_batches / seconds, rss_bytes=rss))
             os.remove(shard)
 
 
@@ -339,7 +340,7 @@ def bench_tokenize(args, record):
     for variant, (_, rates) in runs.items():
         if rates:
             record(dict(name="tokenize", variant=variant, tokens_per_sec=statistics.median(rates),
-                                config=f"{sum(map(len, texts)) / 1e6:.0f} MB, {len(texts):,} docs, {num_proc} processes"))
+                        config=f"{sum(map(len, texts)) / 1e6:.0f} MB, {len(texts):,} docs, {num_proc} processes"))
 
 
 # ----------------------------------------------------------------------------- hellaswag
@@ -426,7 +427,7 @@ def bench_hellaswag(args, device, record):
     flops = scoring_flops(model, examples)
     for variant, s in seconds.items():
         record(dict(name="hellaswag", variant=variant, examples_per_sec=n / s, flops_per_sec=flops / s,
-                            config=config.format(batch_size if variant == "batched" else 1)))
+                    config=config.format(batch_size if variant == "batched" else 1)))
 
 
 # ----------------------------------------------------------------------------- report
