@@ -8,6 +8,7 @@ The defaults are the GPT-2 (124M) reproduction: 524,288-token batches, AdamW at 
 with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B tokens).
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -168,6 +169,10 @@ def setup_distributed(device_arg):
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
+        # Imported before the group exists: on first import this module binds the default group
+        # as a default argument (DDP imports it, through torch._dynamo) and would hold it, and
+        # gloo's worker threads, past leave_process_group.
+        import torch.distributed.nn  # noqa: F401
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=restart_safe_store(world_size), rank=rank, world_size=world_size)
     return rank, local_rank, world_size, device
@@ -182,6 +187,15 @@ def restart_safe_store(world_size):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
     return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def leave_process_group():
+    """Destroys the group once nothing holds it, so that gloo's worker threads are joined here
+    rather than left running as the interpreter exits (where one can abort a finished run). The
+    DDP wrapper holds the group and sits in a reference cycle: only the garbage collector frees it."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def resolve_compile(flag, device_type, log):
@@ -617,16 +631,18 @@ def write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log
 
 
 def main(argv=None):
+    """Runs train() and returns its model; a run error is one line on stderr and exit code 1."""
     args = parse_args(argv)
+    error = None
     try:
-        train(args)
+        return train(args)
     except (RunError, CheckpointError, ShardError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        error = str(e)  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {error}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
