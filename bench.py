@@ -57,13 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--baseline", type=int, default=1, choices=[0, 1], help="also time the baseline variants")
     p.add_argument("--levers", action="store_true",
                    help=f"train: also time the project with each lever switched off in turn ({', '.join(LEVERS)})")
-    p.add_argument("--n_layer", type=positive_int, default=None, help="model size for train (default: by device)")
-    p.add_argument("--n_head", type=positive_int, default=None)
-    p.add_argument("--n_embd", type=positive_int, default=None)
+    p.add_argument("--n_layer", type=fineweb.positive_int, default=None, help="model size for train (default: by device)")
+    p.add_argument("--n_head", type=fineweb.positive_int, default=None)
+    p.add_argument("--n_embd", type=fineweb.positive_int, default=None)
     p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
                    help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
-    p.add_argument("-T", "--seq_len", type=positive_int, default=None)
-    p.add_argument("--steps", type=positive_int, default=None, help="timed training steps (after warm-up)")
+    p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None)
+    p.add_argument("--steps", type=fineweb.positive_int, default=None, help="timed training steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
     args = p.parse_args(argv)
     # Every check here, before anything is timed: a mistake must not cost a GPU's benchmark run.
@@ -91,15 +91,8 @@ def parse_args(argv=None):
     return args
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
 def batch_sizes(text):
-    return [positive_int(b) for b in text.split(",")]
+    return [fineweb.positive_int(b) for b in text.split(",")]
 
 
 def train_config(args, device_type):

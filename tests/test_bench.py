@@ -70,7 +70,7 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
              (["--json", str(tmp_path)], "a directory, not a file name"),
              (["--json", str(tmp_path / "file" / "x.json")], "cannot write there"),
              (["--parts", "train,foo"], "unknown part(s) foo"),
-             (["-B", "64,0"], "invalid batch_sizes value: '64,0'"),
+             (["-B", "64,0"], "-B/--micro_batch_size: '0' is not a positive integer"),
              (["--warmup", "-1"], "--warmup must be 0 or more")]
     (tmp_path / "file").write_text("")
     for flags, message in cases:
