@@ -633,7 +633,6 @@ def write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log
 def main(argv=None):
     """Runs train() and returns its model; a run error is one line on stderr and exit code 1."""
     args = parse_args(argv)
-    error = None
     try:
         return train(args)
     except (RunError, CheckpointError, ShardError) as e:
