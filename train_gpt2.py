@@ -70,7 +70,8 @@ def build_parser():
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all ranks")
     a("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per rank")
     a("-T", "--seq_len", type=int, default=1024, help="tokens per sequence")
-    a("--max_steps", type=int, default=19073, help="optimizer steps in the run")
+    a("--max_steps", type=int, default=19073,
+      help="optimizer steps in the run (0: train nothing, evaluate the starting point and exit)")
     a("--warmup_steps", type=int, default=715)
     a("--decay_steps", type=int, default=None, help="step at which the cosine reaches min lr (default: max_steps)")
     a("--max_lr", type=float, default=6e-4)
@@ -129,11 +130,12 @@ def check_args(args, world_size):
         if not ok:
             raise RunError(message)
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
-                 "total_batch_size", "max_steps", "val_steps", "max_bad_steps"):
+                 "total_batch_size", "val_steps", "max_bad_steps"):
         need(getattr(args, name) > 0, f"--{name} must be positive, not {getattr(args, name)}")
-    for name in ("warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "keep_last",
+    for name in ("max_steps", "warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "keep_last",
                  "hellaswag_limit", "grad_clip", "weight_decay"):
         need(getattr(args, name) >= 0, f"--{name} must not be negative, not {getattr(args, name)}")
+    need(args.max_steps or args.eval_interval, "--max_steps 0 only evaluates: it needs --eval_interval above 0")
     need(args.max_lr > 0 and 0 <= args.min_lr_ratio <= 1, "--max_lr must be positive and --min_lr_ratio in [0, 1]")
     need(args.n_embd % args.n_head == 0, f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")

@@ -90,6 +90,20 @@ def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, capsys):
     assert os.path.exists(tmp_path / "log" / "ckpt_000003.pt")
 
 
+def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp_path):
+    run = ["--total_batch_size", "256", "-B", "8", "--eval_interval", "4", "--val_steps", "2"]
+    trained = train(shards, tmp_path / "run", *run, "--max_steps", "4")
+    checkpoint_file = tmp_path / "run" / "ckpt_000004.pt"
+    before = checkpoint_file.read_bytes()
+    # A checkpoint, evaluated from another log_dir: the val loss its own run logged at that step.
+    evaluated = train(shards, tmp_path / "eval", *run, "--max_steps", "0", "--resume", checkpoint_file)
+    assert evaluated == [r for r in trained if r["step"] == 4 and "val_loss" in r]
+    assert checkpoint_file.read_bytes() == before and os.listdir(tmp_path / "eval") == ["log.jsonl"]
+    # From scratch: the loss of the initial weights, the same as at step 0 of a training run.
+    initial = train(shards, tmp_path / "init", *run, "--max_steps", "0")
+    assert initial == [r for r in trained if r["step"] == 0 and "val_loss" in r]
+
+
 def stream_loader(tmp_path, sizes, B, T, world_size, rank):
     """Shards whose tokens count up from 0 across files, so a token's value is its position."""
     start, paths = 0, []
@@ -211,7 +225,8 @@ def test_bad_input_fails_with_one_line(shards, tmp_path, capsys):
     assert "not a multiple of B*T*world_size" in message and "try --total_batch_size 1024" in message
     assert "longer than --block_size 64" in error_of(capsys, *common, "-T", "128")
     assert "invalid choice" in error_of(capsys, *common, "--preset", "gpt5")
-    assert "--max_steps must be positive" in error_of(capsys, *common, "--max_steps", "0")
+    assert "--max_steps must not be negative" in error_of(capsys, *common, "--max_steps", "-1")
+    assert "--max_steps 0 only evaluates" in error_of(capsys, *common, "--max_steps", "0")
     assert "is not KIND@STEP[:RANK]" in error_of(capsys, *common, "--fault", "nan@x")
     if not torch.cuda.is_available():
         assert "--device cuda: device cuda:0 cannot be used here" in error_of(capsys, *common, "--device", "cuda")
