@@ -567,6 +567,7 @@ def train(args):
                               dt_ms=1000 * dt, tokens_per_sec=args.total_batch_size / dt)
             else:
                 bad_steps += 1
+                scaler.update()  # unscale_ ran this step: without an update the next step's unscale_ raises
                 log(f"step {step:5d} | skipped: non-finite loss {loss} or grad norm {norm} ({bad_steps} in a row)")
                 run_log.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
                 if bad_steps >= args.max_bad_steps:

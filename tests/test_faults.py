@@ -132,6 +132,12 @@ def test_nan_steps_are_skipped_without_touching_the_weights(shards, tmp_path):
     assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000006.pt"))["optimizer"]["state"][0]["step"].item() == 4
 
 
+def test_a_nan_step_under_fp16_loss_scaling_is_skipped_and_training_goes_on(shards, tmp_path):
+    records = train(shards, tmp_path, *RUN, "--dtype", "float16", "--max_steps", "4", "--fault", "nan@2")
+    assert [r["step"] for r in records if r.get("skipped_step")] == [2]
+    assert [r["step"] for r in train_records(records)] == [0, 1, 3]
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run(shards, tmp_path):
     faults = [arg for step in range(2, 8) for arg in ("--fault", f"nan@{step}")]
     result = run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN, "--max_bad_steps", "3", *faults)
