@@ -24,10 +24,13 @@ def pick_device(name="auto", local_rank=0):
 
 def pick_dtype(name, device_type):
     """The autocast dtype for --dtype name; float32 means no autocast. auto: bfloat16 on CUDA
-    where supported, float16 on older CUDA (training adds loss scaling), float32 on CPU and MPS."""
+    GPUs with bf16 tensor cores (Ampere, compute capability 8, and later), float16 on older ones
+    (training adds loss scaling), float32 on CPU and MPS."""
     if name == "auto":
         if device_type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # Not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only
+            # emulated (V100, T4), slowly and without tensor cores.
+            return torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else torch.float16
         return torch.float32
     return getattr(torch, name)
 

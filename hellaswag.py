@@ -230,7 +230,7 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=16, help="examples (of 4 rows each) per forward pass")
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto: bfloat16 on CUDA (float16 where it lacks bf16), else float32")
+                        help="autocast dtype; auto: bfloat16 on CUDA (float16 before Ampere), else float32")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)

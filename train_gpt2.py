@@ -89,7 +89,7 @@ def build_parser():
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
     a("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-      help="autocast dtype; auto: bfloat16 on CUDA where supported, float16 with loss scaling on older CUDA, else float32")
+      help="autocast dtype; auto: bfloat16 on CUDA from Ampere on, float16 with loss scaling before, else float32")
     a("--compile", default="auto", choices=["auto", "1", "0"], help="torch.compile the model; auto: on for CUDA")
     a("--seed", type=int, default=1337)
     a("--shuffle", type=int, default=1, choices=[0, 1],
@@ -507,7 +507,8 @@ def train(args):
         log(f"resuming from {resume[0]} at step {start_step}")
     run_log = RunLog(args.log_dir, start_step, enabled=master, mirrors=log_mirrors(args) if master else ())
 
-    # Evaluation and sampling use the plain module (same weights), so they work with compile on.
+    # HellaSwag and sampling use the plain module (same weights): their shapes change from call to
+    # call, which would recompile. Val loss has the training shapes and runs compiled.
     model = torch.compile(raw_model) if resolve_compile(args.compile, device_type, log) else raw_model
     if world_size > 1:
         # Gradients as views into DDP's all-reduce buckets: no second gradient-sized buffer, no copy.

@@ -405,6 +405,16 @@ def assert_resumes(shards, log_dir, weights):
     assert [r["step"] for r in train_records(records)][-1] == 2
 
 
+def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):
+    from devices import pick_dtype
+    for capability, dtype in [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                              ((9, 0), torch.bfloat16)]:  # V100, T4: bf16 is only emulated there
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert pick_dtype("auto", "cuda") == dtype
+    assert pick_dtype("auto", "cpu") == pick_dtype("auto", "mps") == torch.float32
+    assert pick_dtype("float16", "cpu") == torch.float16
+
+
 def test_compile_auto_is_on_for_cuda_only_and_says_why_not_elsewhere(monkeypatch):
     notes = []
     assert train_gpt2.resolve_compile("auto", "cuda", notes.append) is (sys.platform != "win32")
