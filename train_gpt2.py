@@ -180,6 +180,15 @@ def setup_distributed(device_arg):
     return rank, local_rank, world_size, device
 
 
+def every_rank(value):
+    """[rank 0's value, rank 1's, ...]: what each rank found, for decisions all ranks must share."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def restart_safe_store(world_size):
     """The key-value store the ranks meet in. torchrun's agent keeps one store alive across
     --max-restarts, and workers of a new attempt could read the addresses their killed
@@ -259,9 +268,19 @@ def build_loaders(args, rank, world_size, log):
 
 
 def load_hellaswag(args, log):
-    """The HellaSwag examples to score at each eval, or None with a one-line note."""
+    """The HellaSwag examples to score at each eval, or None with a one-line note. Each eval is
+    a collective, so unless every rank loaded the same number of examples, no rank scores any."""
     if not args.hellaswag or not args.eval_interval:
         return None
+    examples = read_hellaswag(args, log)
+    counts = every_rank(len(examples) if examples else 0)
+    if len(set(counts)) > 1:
+        log(f"note: skipping HellaSwag: not every rank could load it (examples per rank: {counts})")
+        return None
+    return examples
+
+
+def read_hellaswag(args, log):
     if args.hellaswag_path is not None and not os.path.exists(args.hellaswag_path):
         log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag (python hellaswag.py downloads it)")
         return None
@@ -445,12 +464,16 @@ def training_state(raw_model, optimizer, scaler, step, train_loader, args):
 
 
 def find_resume_state(args):
-    """(path, state) to resume from, or None to start fresh."""
+    """(path, state) to resume from, or None to start fresh. Every rank reads the checkpoint
+    itself, so all must find the same one: on several nodes, log_dir must be shared storage."""
     if args.resume == "none":
         return None
-    if args.resume == "auto":
-        return latest_checkpoint(args.log_dir)
-    return args.resume, load_checkpoint(args.resume)
+    resume = latest_checkpoint(args.log_dir) if args.resume == "auto" else (args.resume, load_checkpoint(args.resume))
+    steps = every_rank(resume[1]["step"] if resume else None)
+    if len(set(steps)) > 1:
+        raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                       f"on several nodes, --log_dir must be a directory they all share")
+    return resume
 
 
 def restore(state, path, raw_model, optimizer, scaler, train_loader):

@@ -13,6 +13,7 @@ import torch
 import checkpoint
 from conftest import REPO, run_torchrun, write_token_shards
 from data import write_shard
+from test_hellaswag import EXAMPLES, write_jsonl
 from test_train import TINY, final_weights, one_line_error, read_log, run_cli, train, train_records
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
@@ -280,6 +281,47 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     _, before, after = next(line for line in result.stdout.splitlines() if line.startswith("threads ")).split()
     assert after == before
+
+
+ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import hellaswag, train_gpt2
+if os.environ["RANK"] == "1":
+    {patch}
+train_gpt2.main()
+"""
+
+
+def run_with_rank_1_patched(tmp_path, patch, *args):
+    script = tmp_path / "patched_on_rank_1.py"
+    script.write_text(ON_RANK_1.format(repo=REPO, patch=patch))
+    return run_torchrun(script, *TINY, *RUN, "-B", "4", *args, timeout=120)
+
+
+def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path):
+    train(shards, tmp_path, *RUN, "--max_steps", "2")
+    # As on a second node that does not share rank 0's disk: it finds no checkpoint.
+    result = run_with_rank_1_patched(tmp_path, "train_gpt2.latest_checkpoint = lambda log_dir: None",
+                                     "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4")
+    assert result.returncode == 1
+    assert result.stderr.count("error: the ranks found different checkpoints to resume from "
+                               "(step per rank: [2, None])") == 1
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000002.pt"]
+    assert_each_step_logged_once(tmp_path, 2)
+
+
+def test_hellaswag_is_skipped_on_every_rank_when_one_rank_cannot_load_it(shards, tmp_path):
+    examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
+    result = run_with_rank_1_patched(
+        tmp_path, "hellaswag.load_examples = lambda path: (_ for _ in ()).throw(hellaswag.HellaSwagError('offline'))",
+        "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "2", "--eval_interval", "1",
+        "--hellaswag", "1", "--hellaswag_path", examples)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping HellaSwag: not every rank could load it (examples per rank: [5, 0])" in result.stdout
+    records = read_log(tmp_path)
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 1, 2]
+    assert not any("hellaswag_acc_norm" in r for r in records)
 
 
 def test_ranks_stop_together_after_too_many_bad_steps_on_one_rank(shards, tmp_path):
