@@ -28,10 +28,14 @@ def checkpoint_path(log_dir, step):
     return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
 
 
+def checkpoint_step(path):
+    return int(CHECKPOINT_RE.search(path).group(1))
+
+
 def list_checkpoints(log_dir):
     """Checkpoint files in log_dir, oldest step first."""
     paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt")) if CHECKPOINT_RE.search(p)]
-    return sorted(paths, key=lambda p: int(CHECKPOINT_RE.search(p).group(1)))
+    return sorted(paths, key=checkpoint_step)
 
 
 def plain_state_dict(state_dict):

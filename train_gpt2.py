@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 from atomic import atomic_open
-from checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, load_model, prune_checkpoints, save_checkpoint
+from checkpoint import (CheckpointError, checkpoint_path, checkpoint_step, latest_checkpoint, list_checkpoints,
+                        load_checkpoint, load_model, prune_checkpoints, save_checkpoint)
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_device, pick_dtype
 from model import GPT, GPTConfig
@@ -338,16 +339,17 @@ def sample_texts(model, device, mixed_precision, seed, num_samples=4, max_new_to
 # ----------------------------------------------------------------------------- bookkeeping
 
 class RunLog:
-    """log.jsonl: one JSON object per event, all with `step` and `tokens`. On resume from step
-    s, records of steps >= s (written after that checkpoint by a run that then died) are
-    dropped, so no step is counted twice. Each record also goes to the mirrors (wandb, TensorBoard)."""
+    """log.jsonl: one JSON object per event, all with `step` and `tokens`. A run that trains from
+    step s keeps the records of steps before s: those of later steps, written after that
+    checkpoint by a run that then died, are dropped, so no step is counted twice (keep_before=s;
+    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard)."""
 
-    def __init__(self, log_dir, resume_step, enabled, mirrors=()):
+    def __init__(self, log_dir, keep_before, enabled, mirrors=()):
         self.path = os.path.join(log_dir, "log.jsonl")
         self.enabled = enabled
         self.mirrors = mirrors
-        if enabled:
-            kept = self._records_before(resume_step) if resume_step else []
+        if enabled:  # rewritten even when every record is kept: a half-written last line goes
+            kept = self._records_before(keep_before)
             with atomic_open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
 
@@ -361,7 +363,7 @@ class RunLog:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # the last line of a run killed mid-write
                     continue
-                if record.get("step", step) < step:
+                if step is None or record.get("step", step) < step:
                     kept.append(record)
         return kept
 
@@ -476,6 +478,16 @@ def find_resume_state(args):
     return resume
 
 
+def check_no_later_checkpoints(log_dir, step):
+    """Training on from an older checkpoint, named by path, into a log_dir that holds checkpoints
+    of later steps would interleave two runs there, and --resume auto or --keep_last would later
+    take the wrong run's files."""
+    later = [p for p in list_checkpoints(log_dir) if checkpoint_step(p) > step]
+    if later:
+        raise RunError(f"{log_dir} holds checkpoints past step {step} ({os.path.basename(later[-1])}, ...): training "
+                       f"from step {step} there would mix two runs; choose another --log_dir, or delete them to branch off")
+
+
 def restore(state, path, raw_model, optimizer, scaler, train_loader):
     if state["config"] != asdict(raw_model.config):
         diff = ", ".join(f"{k} {v} (this run: {asdict(raw_model.config).get(k)})"
@@ -528,7 +540,12 @@ def train(args):
     if resume is not None:
         start_step = restore(resume[1], resume[0], raw_model, optimizer, scaler, train_loader)
         log(f"resuming from {resume[0]} at step {start_step}")
-    run_log = RunLog(args.log_dir, start_step, enabled=master, mirrors=log_mirrors(args) if master else ())
+    evaluate_only = start_step >= args.max_steps
+    if args.resume not in ("auto", "none") and not evaluate_only:
+        check_no_later_checkpoints(args.log_dir, start_step)
+    # Records past the starting step are of steps about to be trained again; an evaluation trains none.
+    run_log = RunLog(args.log_dir, None if evaluate_only else start_step, enabled=master,
+                     mirrors=log_mirrors(args) if master else ())
 
     # HellaSwag and sampling use the plain module (same weights): their shapes change from call to
     # call, which would recompile. Val loss has the training shapes and runs compiled.

@@ -102,6 +102,24 @@ def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp
     # From scratch: the loss of the initial weights, the same as at step 0 of a training run.
     initial = train(shards, tmp_path / "init", *run, "--max_steps", "0")
     assert initial == [r for r in trained if r["step"] == 0 and "val_loss" in r]
+    # In the run's own log_dir, of an earlier checkpoint: its records are all kept, the new one added.
+    train(shards, tmp_path / "run", *run, "--max_steps", "6", "--checkpoint_interval", "2")
+    history = read_log(tmp_path / "run")
+    again = train(shards, tmp_path / "run", *run, "--max_steps", "0", "--resume", checkpoint_file)
+    assert again[:-1] == history and again[-1] == evaluated[0]
+
+
+def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards, tmp_path):
+    run = ["--total_batch_size", "256", "-B", "8", "--checkpoint_interval", "2"]
+    history = train(shards, tmp_path, *run, "--max_steps", "6")
+    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path, *run, "--max_steps", "8",
+                                     "--resume", tmp_path / "ckpt_000002.pt"))
+    assert "holds checkpoints past step 2 (ckpt_000006.pt, ...)" in message and "mix two runs" in message
+    assert read_log(tmp_path) == history
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
+    branched = train(shards, tmp_path / "branch", *run, "--max_steps", "4", "--resume", tmp_path / "ckpt_000002.pt")
+    assert [r["step"] for r in train_records(branched)] == [2, 3]
 
 
 def stream_loader(tmp_path, sizes, B, T, world_size, rank):
