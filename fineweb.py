@@ -354,13 +354,18 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
         os.makedirs(output_dir, exist_ok=True)
         remove_leftovers(output_dir, prefix, manifest["shards"])
         write_manifest(output_dir, manifest)  # claims the directory before the first shard lands in it
+        started = manifest
         try:
-            manifest = write_shards(manifest, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            manifest = write_shards(started, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
         except InputError:
-            # The corpus cannot be built as asked, so none of it stays. An interruption, on
-            # the other hand, keeps the finished shards for a rerun to resume from.
-            remove_leftovers(output_dir, prefix, 0)
-            os.remove(os.path.join(output_dir, MANIFEST))
+            # The corpus cannot be built as asked, so what this invocation wrote goes. The shards
+            # of an earlier, interrupted run stay with their manifest: the error may be passing
+            # (an unreachable hub), and a rerun resumes from them, as after an interruption.
+            remove_leftovers(output_dir, prefix, started["shards"])
+            if started["shards"]:
+                write_manifest(output_dir, started)
+            else:
+                os.remove(os.path.join(output_dir, MANIFEST))
             if created_dir and not os.listdir(output_dir):
                 os.rmdir(output_dir)
             raise

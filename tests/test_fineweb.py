@@ -283,6 +283,40 @@ def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch
     check_shards(tmp_path / "out", "edufineweb", 500, docs)
 
 
+def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
+    docs = shakespeare_speeches(10_000)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    real_write_shard, written = fineweb.write_shard, []
+
+    def interrupt_at_third_shard(path, tokens):
+        written.append(path)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        real_write_shard(path, tokens)
+    monkeypatch.setattr(fineweb, "write_shard", interrupt_at_third_shard)
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 300)  # shards are written before the source fails
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert json.loads(before[fineweb.MANIFEST])["shards"] == 2 and len(before) == 3
+
+    def fails_at_last_document(path, text_field):  # as an unreachable hub or a read error would
+        for number, document in enumerate(fineweb.read_jsonl(path, text_field)):
+            if number == len(docs) - 1:
+                raise fineweb.InputError(f"{path}: cannot read")
+            yield document
+    monkeypatch.setitem(fineweb.READERS, ".jsonl", fails_at_last_document)
+    with pytest.raises(fineweb.InputError, match="cannot read"):
+        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    assert len(written) > 4  # the resumed run wrote shards 2, 3, ... before it failed
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    monkeypatch.setitem(fineweb.READERS, ".jsonl", fineweb.read_jsonl)
+    summary = fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    assert summary["status"] == "resumed"
+    check_shards(out, "edufineweb", 500, docs)
+
+
 def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
