@@ -6,6 +6,7 @@ is `val`, every later one `train`. fineweb.py writes them; train_gpt2.py reads t
 """
 import glob
 import os
+import re
 
 import numpy as np
 
@@ -39,8 +40,16 @@ def write_shard(path, tokens):
 
 
 def list_shards(data_dir, split):
-    """The shards of one split in data_dir, in index order."""
-    return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.npy")))
+    """The shards of one split in data_dir, in index order. A file's split is the last _train_ or
+    _val_ in its name, so each file is in one split even when the prefix holds a split's name
+    (shakes_train_x_val_000000.npy is val)."""
+    names = glob.glob(os.path.join(glob.escape(data_dir), "*.npy"))
+    return sorted(path for path in names if split_in_name(os.path.basename(path)) == split)
+
+
+def split_in_name(name):
+    match = re.match(rf".*_({'|'.join(SPLITS)})_", name)  # greedy: the last split word wins
+    return match and match.group(1)
 
 
 class Shard:

@@ -334,6 +334,14 @@ def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_
     assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before
 
 
+def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)
+    check_shards(out, "shakes_train_x", 7, DOCS)
+    assert fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)["status"] == "already complete"
+
+
 def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     foreign = tmp_path / "foreign"

@@ -13,7 +13,7 @@ from checkpoint import load_checkpoint
 from conftest import REPO, run_script, run_torchrun, write_token_shards
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES, write_jsonl
-from data import ShardLoader, shard_name, write_shard
+from data import ShardLoader, list_shards, shard_name, write_shard
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
         "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
@@ -112,6 +112,16 @@ def stream_loader(tmp_path, sizes, B, T, world_size, rank):
         write_shard(paths[-1], np.arange(start, start + n))
         start += n
     return ShardLoader(paths, B, T, rank=rank, world_size=world_size, shuffle=False)
+
+
+def test_a_files_split_is_the_last_split_word_in_its_name(tmp_path):
+    names = ["a_train_x_val_000000.npy", "a_train_x_train_000001.npy", "b_val_y_train_000001.npy",
+             "c_val_000000.npy", "notes_train.npy", "d_train_000001.npy.tmp"]
+    for name in names:
+        (tmp_path / name).touch()
+    listed = {split: [os.path.basename(p) for p in list_shards(str(tmp_path), split)] for split in ("train", "val")}
+    assert listed == {"train": ["a_train_x_train_000001.npy", "b_val_y_train_000001.npy"],
+                      "val": ["a_train_x_val_000000.npy", "c_val_000000.npy"]}
 
 
 def test_loader_windows_are_disjoint_across_ranks_and_cross_shards(tmp_path):
