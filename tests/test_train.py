@@ -1,6 +1,7 @@
 """train_gpt2.py: schedule, data windows, accumulation, DDP on gloo, exact resume, bad input."""
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -139,6 +140,29 @@ def test_loader_windows_are_disjoint_across_ranks_and_cross_shards(tmp_path):
     # Then the next epoch starts from the beginning.
     assert loaders[1].next_batch()[0].flatten()[0] == B * T
     assert loaders[1].epoch == 1
+
+
+FEW_DESCRIPTORS = """
+import resource, sys
+import numpy as np, torch
+sys.path.insert(0, {repo!r})
+from data import ShardLoader
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+loader = ShardLoader(sys.argv[1:], B=2, T=8, shuffle=False)
+seen = [loader.next_batch()[0].flatten() for _ in range(loader.batches_per_epoch)]
+assert torch.equal(torch.cat(seen), torch.arange(loader.batches_per_epoch * 16))
+"""
+
+
+def test_loader_over_more_shards_than_open_files_allowed(tmp_path):
+    paths = []
+    for i in range(100):  # 10 tokens each, counting up across files: a token's value is its position
+        paths.append(str(tmp_path / shard_name("pos", "train", i + 1)))
+        write_shard(paths[-1], np.arange(10 * i, 10 * i + 10))
+    result = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS.format(repo=REPO), *paths],
+                            capture_output=True, text=True, timeout=120)  # the limit stays in the child
+    assert result.returncode == 0, result.stderr
 
 
 def test_loader_resumes_at_its_position(tmp_path):
