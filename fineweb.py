@@ -228,12 +228,13 @@ def read_parquet(path, text_field):
     row = 0
     try:
         for batch in open_parquet(path, text_field).iter_batches(batch_size=1024, columns=[text_field]):
-            for text in batch.column(0).to_pylist():
+            for value in batch.column(0):
+                text = value.as_py()  # a row at a time, so invalid UTF-8 is named by its own row
                 if text is None:
                     raise InputError(f"{path} row {row}: {text_field!r} is null")
                 yield text, f"{path} row {row}"
                 row += 1
-    except (OSError, pyarrow.ArrowException) as e:
+    except (OSError, UnicodeError, pyarrow.ArrowException) as e:
         raise InputError(f"{path} row {row}: cannot read ({e})") from None
 
 

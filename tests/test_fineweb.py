@@ -167,6 +167,8 @@ def bad_inputs(tmp):
     (tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     (tmp / "notjson.jsonl").write_text('{"text": "a"}\n{text: b}\n')
     (tmp / "emptydir").mkdir()
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff\xfe"], type=pa.binary()).view(pa.string())}),
+                   tmp / "latin1.parquet")
     # The bad line comes after more than a chunk of text: shards are written, then removed.
     late = write_jsonl(tmp / "late.jsonl", shakespeare_speeches() + ["x"])
     with open(late, "a") as f:
@@ -176,6 +178,7 @@ def bad_inputs(tmp):
         "unknown extension": (tmp / "c.csv", "c.csv", []),
         "not utf-8": (tmp / "latin1.txt", "latin1.txt", []),
         "not parquet": (tmp / "broken.parquet", "broken.parquet", []),
+        "parquet not utf-8": (tmp / "latin1.parquet", "latin1.parquet row 1", []),
         "no text column": (write_parquet(tmp / "body.parquet", ["a"], field="body"), "body.parquet", []),
         "empty corpus": (tmp / "empty.jsonl", "empty.jsonl", []),
         "empty directory": (tmp / "emptydir", "emptydir", []),
@@ -188,8 +191,9 @@ def bad_inputs(tmp):
 
 
 @pytest.mark.parametrize("case", [
-    "missing path", "unknown extension", "not utf-8", "not parquet", "no text column", "empty corpus",
-    "empty directory", "missing text field", "not json", "missing field after shards", "shard_size 0", "num_proc 0"])
+    "missing path", "unknown extension", "not utf-8", "not parquet", "parquet not utf-8", "no text column",
+    "empty corpus", "empty directory", "missing text field", "not json", "missing field after shards",
+    "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
     path, name, flags = bad_inputs(tmp_path)[case]
     before = set(os.listdir(tmp_path))
