@@ -37,6 +37,7 @@ FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 MANIFEST = "fineweb_manifest.json"
+FRESH = {"shards": 0, "document": 0, "skip": 0, "complete": False}  # a manifest's progress before the first shard
 CHUNK_CHARS = 1 << 20  # text per worker task: ~250K tokens, ~0.1 s of encoding, so sending it costs little
 MAX_ID = int(np.iinfo(SHARD_DTYPE).max)
 
@@ -277,9 +278,21 @@ def read_manifest(output_dir):
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            manifest = json.load(f)
+        check_manifest(manifest)
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: unreadable manifest ({e}); delete {output_dir} and rerun") from None
+    return manifest
+
+
+def check_manifest(manifest):
+    """Raises ValueError unless manifest has the fields write_shards writes: valid JSON edited by
+    hand or by another tool would otherwise crash a rerun, or pass for no manifest at all."""
+    keys = ["run", *FRESH]
+    if isinstance(manifest, dict) and manifest.get("complete"):
+        keys += ["documents", "tokens"]
+    if not (isinstance(manifest, dict) and all(key in manifest for key in keys) and isinstance(manifest["run"], dict)):
+        raise ValueError(f"not a JSON object with {', '.join(keys)}")
 
 
 def write_manifest(output_dir, manifest):
@@ -322,9 +335,9 @@ def start_or_resume(output_dir, prefix, run):
         raise InputError(f"{output_dir} holds shards ({found}, ...) but no {MANIFEST}: not written by "
                          f"this tool or from an older run; delete them or choose another --output_dir")
     if manifest is None:
-        return {"run": run, "shards": 0, "document": 0, "skip": 0, "complete": False}
-    if manifest.get("run") != run:
-        old = manifest.get("run") or {}
+        return {"run": run} | FRESH
+    if manifest["run"] != run:
+        old = manifest["run"]
         key = next(k for k in sorted(set(run) | set(old)) if run.get(k) != old.get(k))
         there, now = (repr(value)[:200] for value in (old.get(key), run.get(key)))
         raise InputError(f"{output_dir} holds shards of another run ({key}: {there} there, {now} now); "

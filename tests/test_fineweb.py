@@ -360,6 +360,17 @@ def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
 
 
+@pytest.mark.parametrize("text", ["[]", '"x"', "null", '{"run": 5}', '{"run": {}, "shards": 1, "document": 0}'])
+def test_a_manifest_that_is_json_but_not_ours_is_unreadable(tmp_path, text):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / fineweb.MANIFEST).write_text(text)
+    with pytest.raises(fineweb.InputError, match="unreadable manifest"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    assert os.listdir(out) == [fineweb.MANIFEST] and (out / fineweb.MANIFEST).read_text() == text
+
+
 def test_hugging_face_dataset_path(tmp_path):
     """The hub code path (load_dataset, the text column, batches), on a local folder: no network."""
     hub = tmp_path / "hub"
