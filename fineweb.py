@@ -189,9 +189,9 @@ def open_parquet(path, text_field):
 
 
 def read_txt(path, text_field):
-    """The whole file is one document."""
+    """The whole file is one document, as is."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:  # \r\n and \r stay: the tokens are the file's text
             text = f.read()
     except (OSError, UnicodeError) as e:
         raise InputError(f"{path}: cannot read as UTF-8 text ({e})") from None

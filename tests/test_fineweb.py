@@ -107,6 +107,12 @@ def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     check_shards(tmp_path / "files", "t", 3, ["c1", "a"])
 
 
+def test_a_txt_file_is_its_text_as_is(tmp_path):
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
+    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), str(tmp_path / "out"), "t", 100)
+    check_shards(tmp_path / "out", "t", 100, ["a\r\nb\rc"])  # [EOT] + encode_ordinary, \r\n and \r kept
+
+
 def test_num_proc_1_and_2_write_identical_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 200)  # many chunks, so two workers interleave
     docs = shakespeare_speeches(20_000)
