@@ -6,6 +6,7 @@ is `val`, every later one `train`. fineweb.py writes them; train_gpt2.py reads t
 """
 import glob
 import os
+import re
 
 import numpy as np
 
@@ -39,36 +40,47 @@ def write_shard(path, tokens):
 
 
 def list_shards(data_dir, split):
-    """The shards of one split in data_dir, in index order."""
-    return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.npy")))
+    """The shards of one split in data_dir, in index order. A file's split is the last _train_ or
+    _val_ in its name, so each file is in one split even when the prefix holds a split's name
+    (shakes_train_x_val_000000.npy is val)."""
+    names = glob.glob(os.path.join(glob.escape(data_dir), "*.npy"))
+    return sorted(path for path in names if split_in_name(os.path.basename(path)) == split)
+
+
+def split_in_name(name):
+    match = re.match(rf".*_({'|'.join(SPLITS)})_", name)  # greedy: the last split word wins
+    return match and match.group(1)
 
 
 class Shard:
-    """One shard on disk, read by positioned reads: memory stays a window, whatever its size."""
+    """One shard on disk, read by positioned reads: memory stays a window, whatever its size.
+    The file is open only during a read: a loader over FineWeb-Edu 100B's ~1000 shards would
+    otherwise hold ~1000 descriptors and fail under the common `ulimit -n 1024`. A batch is one
+    or two reads, so opening the file each time costs next to nothing."""
 
     def __init__(self, path):
         self.path = path
         try:
-            self.file = open(path, "rb")
-            version = np.lib.format.read_magic(self.file)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, fortran_order, dtype = read_header(self.file)
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran_order, dtype = read_header(f)
+                self.offset, size = f.tell(), os.fstat(f.fileno()).st_size
         except (OSError, ValueError) as e:
             raise ShardError(f"{path}: not a readable .npy shard ({e})") from None
-        self.offset = self.file.tell()
         if dtype != SHARD_DTYPE or len(shape) != 1 or fortran_order:
             raise ShardError(f"{path}: expected a 1-D uint16 array, found {dtype} of shape {shape}")
         self.n_tokens = shape[0]
         if self.n_tokens == 0:
             raise ShardError(f"{path}: empty shard")
-        size = os.fstat(self.file.fileno()).st_size
         if size != self.offset + 2 * self.n_tokens:
             raise ShardError(f"{path}: truncated or padded: {size} bytes on disk, "
                              f"{self.offset + 2 * self.n_tokens} expected for {self.n_tokens} tokens")
 
     def read(self, start, count):
-        self.file.seek(self.offset + 2 * start)
-        tokens = np.fromfile(self.file, dtype=SHARD_DTYPE, count=count)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + 2 * start)
+            tokens = np.fromfile(f, dtype=SHARD_DTYPE, count=count)
         assert len(tokens) == count, f"{self.path}: short read"
         return tokens
 

@@ -37,6 +37,7 @@ FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 MANIFEST = "fineweb_manifest.json"
+FRESH = {"shards": 0, "document": 0, "skip": 0, "complete": False}  # a manifest's progress before the first shard
 CHUNK_CHARS = 1 << 20  # text per worker task: ~250K tokens, ~0.1 s of encoding, so sending it costs little
 MAX_ID = int(np.iinfo(SHARD_DTYPE).max)
 
@@ -188,9 +189,9 @@ def open_parquet(path, text_field):
 
 
 def read_txt(path, text_field):
-    """The whole file is one document."""
+    """The whole file is one document, as is."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:  # \r\n and \r stay: the tokens are the file's text
             text = f.read()
     except (OSError, UnicodeError) as e:
         raise InputError(f"{path}: cannot read as UTF-8 text ({e})") from None
@@ -228,12 +229,13 @@ def read_parquet(path, text_field):
     row = 0
     try:
         for batch in open_parquet(path, text_field).iter_batches(batch_size=1024, columns=[text_field]):
-            for text in batch.column(0).to_pylist():
+            for value in batch.column(0):
+                text = value.as_py()  # a row at a time, so invalid UTF-8 is named by its own row
                 if text is None:
                     raise InputError(f"{path} row {row}: {text_field!r} is null")
                 yield text, f"{path} row {row}"
                 row += 1
-    except (OSError, pyarrow.ArrowException) as e:
+    except (OSError, UnicodeError, pyarrow.ArrowException) as e:
         raise InputError(f"{path} row {row}: cannot read ({e})") from None
 
 
@@ -276,9 +278,21 @@ def read_manifest(output_dir):
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            manifest = json.load(f)
+        check_manifest(manifest)
     except (OSError, ValueError) as e:
         raise InputError(f"{path}: unreadable manifest ({e}); delete {output_dir} and rerun") from None
+    return manifest
+
+
+def check_manifest(manifest):
+    """Raises ValueError unless manifest has the fields write_shards writes: valid JSON edited by
+    hand or by another tool would otherwise crash a rerun, or pass for no manifest at all."""
+    keys = ["run", *FRESH]
+    if isinstance(manifest, dict) and manifest.get("complete"):
+        keys += ["documents", "tokens"]
+    if not (isinstance(manifest, dict) and all(key in manifest for key in keys) and isinstance(manifest["run"], dict)):
+        raise ValueError(f"not a JSON object with {', '.join(keys)}")
 
 
 def write_manifest(output_dir, manifest):
@@ -321,9 +335,9 @@ def start_or_resume(output_dir, prefix, run):
         raise InputError(f"{output_dir} holds shards ({found}, ...) but no {MANIFEST}: not written by "
                          f"this tool or from an older run; delete them or choose another --output_dir")
     if manifest is None:
-        return {"run": run, "shards": 0, "document": 0, "skip": 0, "complete": False}
-    if manifest.get("run") != run:
-        old = manifest.get("run") or {}
+        return {"run": run} | FRESH
+    if manifest["run"] != run:
+        old = manifest["run"]
         key = next(k for k in sorted(set(run) | set(old)) if run.get(k) != old.get(k))
         there, now = (repr(value)[:200] for value in (old.get(key), run.get(key)))
         raise InputError(f"{output_dir} holds shards of another run ({key}: {there} there, {now} now); "
@@ -354,13 +368,18 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
         os.makedirs(output_dir, exist_ok=True)
         remove_leftovers(output_dir, prefix, manifest["shards"])
         write_manifest(output_dir, manifest)  # claims the directory before the first shard lands in it
+        started = manifest
         try:
-            manifest = write_shards(manifest, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            manifest = write_shards(started, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
         except InputError:
-            # The corpus cannot be built as asked, so none of it stays. An interruption, on
-            # the other hand, keeps the finished shards for a rerun to resume from.
-            remove_leftovers(output_dir, prefix, 0)
-            os.remove(os.path.join(output_dir, MANIFEST))
+            # The corpus cannot be built as asked, so what this invocation wrote goes. The shards
+            # of an earlier, interrupted run stay with their manifest: the error may be passing
+            # (an unreachable hub), and a rerun resumes from them, as after an interruption.
+            remove_leftovers(output_dir, prefix, started["shards"])
+            if started["shards"]:
+                write_manifest(output_dir, started)
+            else:
+                os.remove(os.path.join(output_dir, MANIFEST))
             if created_dir and not os.listdir(output_dir):
                 os.rmdir(output_dir)
             raise

@@ -107,6 +107,12 @@ def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     check_shards(tmp_path / "files", "t", 3, ["c1", "a"])
 
 
+def test_a_txt_file_is_its_text_as_is(tmp_path):
+    (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
+    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), str(tmp_path / "out"), "t", 100)
+    check_shards(tmp_path / "out", "t", 100, ["a\r\nb\rc"])  # [EOT] + encode_ordinary, \r\n and \r kept
+
+
 def test_num_proc_1_and_2_write_identical_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 200)  # many chunks, so two workers interleave
     docs = shakespeare_speeches(20_000)
@@ -167,6 +173,8 @@ def bad_inputs(tmp):
     (tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     (tmp / "notjson.jsonl").write_text('{"text": "a"}\n{text: b}\n')
     (tmp / "emptydir").mkdir()
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff\xfe"], type=pa.binary()).view(pa.string())}),
+                   tmp / "latin1.parquet")
     # The bad line comes after more than a chunk of text: shards are written, then removed.
     late = write_jsonl(tmp / "late.jsonl", shakespeare_speeches() + ["x"])
     with open(late, "a") as f:
@@ -176,6 +184,7 @@ def bad_inputs(tmp):
         "unknown extension": (tmp / "c.csv", "c.csv", []),
         "not utf-8": (tmp / "latin1.txt", "latin1.txt", []),
         "not parquet": (tmp / "broken.parquet", "broken.parquet", []),
+        "parquet not utf-8": (tmp / "latin1.parquet", "latin1.parquet row 1", []),
         "no text column": (write_parquet(tmp / "body.parquet", ["a"], field="body"), "body.parquet", []),
         "empty corpus": (tmp / "empty.jsonl", "empty.jsonl", []),
         "empty directory": (tmp / "emptydir", "emptydir", []),
@@ -188,8 +197,9 @@ def bad_inputs(tmp):
 
 
 @pytest.mark.parametrize("case", [
-    "missing path", "unknown extension", "not utf-8", "not parquet", "no text column", "empty corpus",
-    "empty directory", "missing text field", "not json", "missing field after shards", "shard_size 0", "num_proc 0"])
+    "missing path", "unknown extension", "not utf-8", "not parquet", "parquet not utf-8", "no text column",
+    "empty corpus", "empty directory", "missing text field", "not json", "missing field after shards",
+    "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
     path, name, flags = bad_inputs(tmp_path)[case]
     before = set(os.listdir(tmp_path))
@@ -283,6 +293,40 @@ def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch
     check_shards(tmp_path / "out", "edufineweb", 500, docs)
 
 
+def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
+    docs = shakespeare_speeches(10_000)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    real_write_shard, written = fineweb.write_shard, []
+
+    def interrupt_at_third_shard(path, tokens):
+        written.append(path)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        real_write_shard(path, tokens)
+    monkeypatch.setattr(fineweb, "write_shard", interrupt_at_third_shard)
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 300)  # shards are written before the source fails
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert json.loads(before[fineweb.MANIFEST])["shards"] == 2 and len(before) == 3
+
+    def fails_at_last_document(path, text_field):  # as an unreachable hub or a read error would
+        for number, document in enumerate(fineweb.read_jsonl(path, text_field)):
+            if number == len(docs) - 1:
+                raise fineweb.InputError(f"{path}: cannot read")
+            yield document
+    monkeypatch.setitem(fineweb.READERS, ".jsonl", fails_at_last_document)
+    with pytest.raises(fineweb.InputError, match="cannot read"):
+        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    assert len(written) > 4  # the resumed run wrote shards 2, 3, ... before it failed
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    monkeypatch.setitem(fineweb.READERS, ".jsonl", fineweb.read_jsonl)
+    summary = fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    assert summary["status"] == "resumed"
+    check_shards(out, "edufineweb", 500, docs)
+
+
 def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
@@ -300,6 +344,14 @@ def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_
     assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before
 
 
+def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)
+    check_shards(out, "shakes_train_x", 7, DOCS)
+    assert fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)["status"] == "already complete"
+
+
 def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     foreign = tmp_path / "foreign"
@@ -312,6 +364,17 @@ def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
     np.save(out / "other_train_000001.npy", np.zeros(7, dtype=np.uint16))
     with pytest.raises(fineweb.InputError, match="another prefix"):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+
+
+@pytest.mark.parametrize("text", ["[]", '"x"', "null", '{"run": 5}', '{"run": {}, "shards": 1, "document": 0}'])
+def test_a_manifest_that_is_json_but_not_ours_is_unreadable(tmp_path, text):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / fineweb.MANIFEST).write_text(text)
+    with pytest.raises(fineweb.InputError, match="unreadable manifest"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    assert os.listdir(out) == [fineweb.MANIFEST] and (out / fineweb.MANIFEST).read_text() == text
 
 
 def test_hugging_face_dataset_path(tmp_path):

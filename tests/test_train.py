@@ -1,6 +1,7 @@
 """train_gpt2.py: schedule, data windows, accumulation, DDP on gloo, exact resume, bad input."""
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +14,7 @@ from checkpoint import load_checkpoint
 from conftest import REPO, run_script, run_torchrun, write_token_shards
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES, write_jsonl
-from data import ShardLoader, shard_name, write_shard
+from data import ShardLoader, list_shards, shard_name, write_shard
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
         "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
@@ -132,6 +133,16 @@ def stream_loader(tmp_path, sizes, B, T, world_size, rank):
     return ShardLoader(paths, B, T, rank=rank, world_size=world_size, shuffle=False)
 
 
+def test_a_files_split_is_the_last_split_word_in_its_name(tmp_path):
+    names = ["a_train_x_val_000000.npy", "a_train_x_train_000001.npy", "b_val_y_train_000001.npy",
+             "c_val_000000.npy", "notes_train.npy", "d_train_000001.npy.tmp"]
+    for name in names:
+        (tmp_path / name).touch()
+    listed = {split: [os.path.basename(p) for p in list_shards(str(tmp_path), split)] for split in ("train", "val")}
+    assert listed == {"train": ["a_train_x_train_000001.npy", "b_val_y_train_000001.npy"],
+                      "val": ["a_train_x_val_000000.npy", "c_val_000000.npy"]}
+
+
 def test_loader_windows_are_disjoint_across_ranks_and_cross_shards(tmp_path):
     B, T, sizes = 2, 8, [50, 13, 70]  # 133 tokens: 8 windows of 16, the middle shard smaller than one
     loaders = [stream_loader(tmp_path, sizes, B, T, world_size=2, rank=r) for r in range(2)]
@@ -147,6 +158,29 @@ def test_loader_windows_are_disjoint_across_ranks_and_cross_shards(tmp_path):
     # Then the next epoch starts from the beginning.
     assert loaders[1].next_batch()[0].flatten()[0] == B * T
     assert loaders[1].epoch == 1
+
+
+FEW_DESCRIPTORS = """
+import resource, sys
+import numpy as np, torch
+sys.path.insert(0, {repo!r})
+from data import ShardLoader
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+loader = ShardLoader(sys.argv[1:], B=2, T=8, shuffle=False)
+seen = [loader.next_batch()[0].flatten() for _ in range(loader.batches_per_epoch)]
+assert torch.equal(torch.cat(seen), torch.arange(loader.batches_per_epoch * 16))
+"""
+
+
+def test_loader_over_more_shards_than_open_files_allowed(tmp_path):
+    paths = []
+    for i in range(100):  # 10 tokens each, counting up across files: a token's value is its position
+        paths.append(str(tmp_path / shard_name("pos", "train", i + 1)))
+        write_shard(paths[-1], np.arange(10 * i, 10 * i + 10))
+    result = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS.format(repo=REPO), *paths],
+                            capture_output=True, text=True, timeout=120)  # the limit stays in the child
+    assert result.returncode == 0, result.stderr
 
 
 def test_loader_resumes_at_its_position(tmp_path):
