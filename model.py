@@ -213,8 +213,18 @@ class GPT(nn.Module):
 
         hf_model = GPT2LMHeadModel.from_pretrained(name_or_path)
         hf = hf_model.config
-        if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hf.n_inner not in (None, 4 * hf.n_embd):
-            raise ValueError(f"{name_or_path}: not a GPT-2 architecture (activation {hf.activation_function}, n_inner {hf.n_inner})")
+        # The config fields that change the maths, with the values at which it is GPT-2's: the
+        # weights alone would load into a model that computes something else. (A field that adds
+        # weights, such as add_cross_attention, fails load_hf_state_dict instead.) Not among them:
+        # reorder_and_upcast_attn, which computes the same attention scores, only in float32.
+        gpt2_values = dict(
+            activation_function=("gelu_new", "gelu_pytorch_tanh"), n_inner=(None, 4 * hf.n_embd),
+            layer_norm_epsilon=(1e-5,), scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+            tie_word_embeddings=(True,),  # we hold one tensor for both: an untied lm_head would overwrite wte
+        )
+        for field, values in gpt2_values.items():
+            if getattr(hf, field) not in values:
+                raise ValueError(f"{name_or_path}: not a GPT-2 architecture ({field}={getattr(hf, field)!r})")
         config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size,
                            n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
         model = cls(config)

@@ -64,6 +64,16 @@ def test_logits_equal_hugging_face(hf_gpt2_dir):
     assert diff < 1e-4
 
 
+@pytest.mark.parametrize("field, value", [
+    ("tie_word_embeddings", False), ("layer_norm_epsilon", 1e-6), ("scale_attn_weights", False),
+    ("scale_attn_by_inverse_layer_idx", True), ("activation_function", "gelu"), ("n_inner", 64),
+])
+def test_from_pretrained_refuses_a_config_that_is_not_gpt2s_maths(tmp_path, field, value):
+    make_hf_gpt2(**{field: value}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"not a GPT-2 architecture \({field}={value!r}\)$"):
+        GPT.from_pretrained(str(tmp_path))
+
+
 def test_from_pretrained_names_the_first_mismatch(tmp_path):
     hf = make_hf_gpt2()
     sd = hf.state_dict()
