@@ -264,15 +264,21 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
     from the top_k most likely ids and the top_p nucleus of them."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    probs = truncate_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def truncate_logits(logits, top_k=None, top_p=None):
+    """logits (B, V) with every id outside the top_k and outside the top_p nucleus set to -inf."""
     if top_k is not None:
         kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, -math.inf)
-    if top_p is not None:
+    # top_p=1 keeps every id: the float32 cumulative sum reaches 1 before the last ids, whose
+    # mass is below its rounding, and the rule below would drop them.
+    if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop an id once the ids before it already hold top_p of the mass (the best always stays).
         drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -math.inf)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return logits

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_hf_gpt2
-from model import GPT, GPTConfig, sample_next_token
+from model import GPT, GPTConfig, sample_next_token, truncate_logits
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
@@ -149,6 +149,13 @@ def test_top_p_keeps_the_smallest_nucleus():
     counts = torch.bincount(picked, minlength=4)
     assert counts[2:].sum() == 0 and counts[0] > counts[1] > 0
     assert torch.equal(sample_next_token(logits[:1], temperature=0), torch.tensor([[0]]))
+
+
+def test_top_p_1_keeps_every_id():
+    # Peaked logits over GPT-2's vocabulary: the float32 cumulative sum reaches 1 long before the last id.
+    logits = 6 * torch.randn(4, N_VOCAB, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(truncate_logits(logits, top_p=1.0), logits)
+    assert torch.equal(truncate_logits(logits, top_k=50, top_p=1.0), truncate_logits(logits, top_k=50))
 
 
 def test_padded_vocabulary_never_reaches_loss_or_samples():
