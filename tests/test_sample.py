@@ -95,6 +95,8 @@ def is_utf8(b):
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
     (["--top_k", "-5"], "error: --top_k must be 0 (no limit) or more"),
     (["--top_p", "0"], "error: --top_p must be in (0, 1]"),
+    (["--seed", "99999999999999999999999"], "error: --seed must be in [0, 2**64)"),
+    (["--seed", "-1"], "error: --seed must be in [0, 2**64)"),
     (["--prompt", "@no/such/prompt.txt"], "error: --prompt @no/such/prompt.txt: [Errno 2]"),
     (["--device", "nonsense"], "error: --device nonsense:"),
     (["--model", "no/such/ckpt_000100.pt"], "error: no/such/ckpt_000100.pt: no such checkpoint"),
