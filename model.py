@@ -262,9 +262,15 @@ class GPT(nn.Module):
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (B, V) -> (B, 1) token ids: greedy at temperature 0, otherwise sampled
     from the top_k most likely ids and the top_p nucleus of them."""
-    if temperature == 0:
+    # A temperature below float32's normal numbers leaves only the best id any probability
+    # (rounded to 0, it would even divide 0 by 0): that is greedy.
+    if temperature < torch.finfo(torch.float32).tiny:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = truncate_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
+    # The best logit is moved to 0 before dividing, so no small temperature makes one overflow
+    # to inf, or all of them to -inf (either makes the softmax NaN); the others go at worst to
+    # -inf, probability 0.
+    logits = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+    probs = truncate_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 

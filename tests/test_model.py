@@ -151,6 +151,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.equal(sample_next_token(logits[:1], temperature=0), torch.tensor([[0]]))
 
 
+@pytest.mark.parametrize("temperature", [1e-37, 1e-46])
+def test_a_tiny_temperature_is_greedy_not_nan(temperature):
+    # Logits of GPT-2's size divided by 1e-37 overflow float32; 1e-46 is 0 in float32.
+    logits = 100 * torch.randn(4, N_VOCAB, generator=torch.Generator().manual_seed(0))
+    picked = sample_next_token(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(picked, logits.argmax(dim=-1, keepdim=True))
+
+
 def test_top_p_1_keeps_every_id():
     # Peaked logits over GPT-2's vocabulary: the float32 cumulative sum reaches 1 long before the last id.
     logits = 6 * torch.randn(4, N_VOCAB, generator=torch.Generator().manual_seed(0))
