@@ -52,7 +52,7 @@ def read_prompt(prompt):
     if not prompt.startswith("@"):
         return prompt
     try:
-        with open(prompt[1:], encoding="utf-8") as f:
+        with open(prompt[1:], encoding="utf-8", newline="") as f:  # as is: \r\n stays \r\n
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         sys.exit(f"error: --prompt {prompt}: {e}")

@@ -48,6 +48,11 @@ def test_seeded_samples_repeat_and_read_the_prompt_from_a_file(padded, tmp_path,
     assert from_file.stdout == capsys.readouterr().out == expected
 
 
+def test_a_prompt_file_is_read_as_is(tmp_path):
+    (tmp_path / "prompt.txt").write_bytes(b"Dear Sir,\r\n\r\nold Mac line\rend\n")
+    assert sample.read_prompt(f"@{tmp_path / 'prompt.txt'}") == "Dear Sir,\r\n\r\nold Mac line\rend\n"
+
+
 def test_top_k_1_is_greedy_and_never_a_padding_id(padded):
     model, ckpt = padded
     result = run_script("sample.py", "--model", ckpt, "--prompt", PROMPT, "--num_samples", 1,
