@@ -15,7 +15,10 @@ except ImportError:
     sys.exit("error: plot_log.py needs matplotlib: pip install matplotlib")
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
+
+from atomic import atomic_open
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).
@@ -111,7 +114,7 @@ def loss_limits(runs):
     return low - margin, high + margin
 
 
-def plot(runs, out, x):
+def plot(runs, out, image_format, x):
     fig, (ax_loss, ax_hs) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     i = 0 if x == "step" else 1  # series are (steps, tokens, values)
@@ -135,7 +138,7 @@ def plot(runs, out, x):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)  # no bbox_inches="tight": the image keeps FIGSIZE x DPI pixels
+    fig.savefig(out, format=image_format)  # no bbox_inches="tight": the image keeps FIGSIZE x DPI pixels
     plt.close(fig)
 
 
@@ -160,13 +163,23 @@ def tokens_axis(runs, x, axes):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot loss and HellaSwag of training runs from their log.jsonl.")
     parser.add_argument("logs", nargs="+", help="log directories of train_gpt2.py (or log.jsonl files)")
-    parser.add_argument("-o", "--out", default="plot.png", help="the PNG to write")
+    parser.add_argument("-o", "--out", default="plot.png", help="the image to write; its extension names the format")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis")
     args = parser.parse_args(argv)
+    # Named by the extension, as matplotlib would; without one it would write OUT.png, not OUT.
+    image_format = os.path.splitext(args.out)[1][1:].lower()
+    if image_format not in FigureCanvasAgg.get_supported_filetypes():
+        sys.exit(f"error: -o {args.out}: the extension must name an image format (png, pdf, svg, ...)")
     runs = [load_run(path) for path in args.logs]
+    try:
+        with atomic_open(args.out) as f:
+            plot(runs, f, image_format, args.x)
+    except OSError as e:  # a missing directory, or one we may not write to
+        sys.exit(f"error: -o {args.out}: {e.strerror or e}")
+    except RuntimeError as e:  # a writer that needs a missing tool (pgf: LaTeX)
+        sys.exit(f"error: -o {args.out}: {' '.join(str(e).split())}")
     for run in runs:
         print(summary(run))
-    plot(runs, args.out, args.x)
     print(f"wrote {args.out}")
 
 

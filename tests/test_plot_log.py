@@ -76,3 +76,21 @@ def test_missing_or_empty_logs_are_one_line_errors(tmp_path):
     result = run_script("plot_log.py", "nowhere", cwd=tmp_path)
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == "error: nowhere: no such file or directory\n"
+
+
+def exit_message(argv):
+    """The message plot_log.main exits with (Python prints it and exits with status 1)."""
+    with pytest.raises(SystemExit) as e:
+        plot_log.main(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code
+    return e.value.code
+
+
+def test_bad_output_paths_are_one_line_errors_and_write_nothing(tmp_path):
+    write_log(tmp_path / "run", 20, best_val=3.1, best_hellaswag=0.31)
+    for out, message in ((tmp_path / "no_dir" / "x.png", "No such file or directory"),
+                         (tmp_path / "x.xyz", "the extension must name an image format (png, pdf, svg, ...)"),
+                         (tmp_path / "x", "the extension must name an image format (png, pdf, svg, ...)")):
+        assert exit_message([str(tmp_path / "run"), "-o", str(out)]) == f"error: -o {out}: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # matplotlib would have written x.png
+
