@@ -32,8 +32,11 @@ def read_log(path):
     """The records of a log.jsonl. A line that does not parse is skipped with a warning: the
     last line of a run that crashed mid-write, or, when a resumed run appended to such a
     file, the line where the two runs' writes ran together."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not a text file at all
+        sys.exit(f"error: {path}: {e}")
     records = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -94,3 +94,10 @@ def test_bad_output_paths_are_one_line_errors_and_write_nothing(tmp_path):
         assert exit_message([str(tmp_path / "run"), "-o", str(out)]) == f"error: -o {out}: {message}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # matplotlib would have written x.png
 
+
+def test_a_log_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_bytes(b'{"step": 0, "tokens": 0, "val_loss": 10.0}\n\xff\xfe\x00\x01\n')
+    message = exit_message([str(tmp_path / "run"), "-o", str(tmp_path / "x.png")])
+    assert message.startswith(f"error: {tmp_path / 'run' / 'log.jsonl'}: 'utf-8' codec can't decode byte 0xff")
+
