@@ -6,6 +6,7 @@ against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -26,12 +27,14 @@ GPT2_VAL_LOSS = 3.2924
 GPT2_HELLASWAG = 0.2955
 GPT3_HELLASWAG = 0.337
 FIGSIZE, DPI = (14, 5), 100  # 1400 x 500 pixels
+SERIES = dict(train="train_loss", val="val_loss", hellaswag="hellaswag_acc_norm")  # a run's series: their log fields
 
 
 def read_log(path):
     """The records of a log.jsonl. A line that does not parse is skipped with a warning: the
     last line of a run that crashed mid-write, or, when a resumed run appended to such a
-    file, the line where the two runs' writes ran together."""
+    file, the line where the two runs' writes ran together. So is a record whose step, tokens or
+    plotted value is not a finite number (null, a string, NaN): there is nothing to draw."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
@@ -49,8 +52,17 @@ def read_log(path):
             what = "truncated last line (a crash mid-write?)" if n == len(lines) else "damaged line"
             print(f"warning: {path}:{n}: skipping a {what}", file=sys.stderr)
             continue
+        bad = next((k for k in ("step", "tokens", *SERIES.values()) if k in record and not is_number(record[k])), None)
+        if bad:
+            print(f"warning: {path}:{n}: skipping a record whose {bad} is {json.dumps(record[bad])}, not a finite number",
+                  file=sys.stderr)
+            continue
         records.append(record)
     return records
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def series(records, key):
@@ -76,9 +88,7 @@ def load_run(path):
     per_step = {r["tokens"] / r["step"] for r in records if r["step"] > 0}
     return dict(
         label=label,
-        train=series(records, "train_loss"),
-        val=series(records, "val_loss"),
-        hellaswag=series(records, "hellaswag_acc_norm"),
+        **{name: series(records, key) for name, key in SERIES.items()},
         steps=max(r["step"] for r in records),
         tokens=max(r["tokens"] for r in records),
         tokens_per_step=per_step.pop() if len(per_step) == 1 else None,
