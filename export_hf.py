@@ -152,10 +152,19 @@ def check_export(model, out_dir):
     return diff
 
 
+def outermost_missing(path):
+    """The outermost of path and its ancestors that does not exist; None if path exists."""
+    missing = None
+    while not os.path.exists(path):
+        missing, path = path, os.path.dirname(path)
+    return missing
+
+
 def export(model, out_dir, force):
     """Writes everything to a temporary sibling of out_dir, checks it, then renames it into
-    place: a failure at any point leaves out_dir as it was."""
+    place: a failure at any point leaves out_dir, and the directories above it, as they were."""
     parent = os.path.dirname(out_dir)
+    made = outermost_missing(parent)  # the first directory this call creates: a failure removes it, tmp and all
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".partial", dir=parent)
     try:
@@ -169,7 +178,7 @@ def export(model, out_dir, force):
             shutil.rmtree(out_dir)  # only now that its replacement is complete
         os.rename(tmp, out_dir)  # atomic; replaces an empty directory
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(made or tmp, ignore_errors=True)
         raise
     return diff
 

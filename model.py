@@ -213,8 +213,18 @@ class GPT(nn.Module):
 
         hf_model = GPT2LMHeadModel.from_pretrained(name_or_path)
         hf = hf_model.config
-        if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or hf.n_inner not in (None, 4 * hf.n_embd):
-            raise ValueError(f"{name_or_path}: not a GPT-2 architecture (activation {hf.activation_function}, n_inner {hf.n_inner})")
+        # The config fields that change the maths, with the values at which it is GPT-2's: the
+        # weights alone would load into a model that computes something else. (A field that adds
+        # weights, such as add_cross_attention, fails load_hf_state_dict instead.) Not among them:
+        # reorder_and_upcast_attn, which computes the same attention scores, only in float32.
+        gpt2_values = dict(
+            activation_function=("gelu_new", "gelu_pytorch_tanh"), n_inner=(None, 4 * hf.n_embd),
+            layer_norm_epsilon=(1e-5,), scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+            tie_word_embeddings=(True,),  # we hold one tensor for both: an untied lm_head would overwrite wte
+        )
+        for field, values in gpt2_values.items():
+            if getattr(hf, field) not in values:
+                raise ValueError(f"{name_or_path}: not a GPT-2 architecture ({field}={getattr(hf, field)!r})")
         config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size,
                            n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
         model = cls(config)
@@ -252,17 +262,29 @@ class GPT(nn.Module):
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (B, V) -> (B, 1) token ids: greedy at temperature 0, otherwise sampled
     from the top_k most likely ids and the top_p nucleus of them."""
-    if temperature == 0:
+    # A temperature below float32's normal numbers leaves only the best id any probability
+    # (rounded to 0, it would even divide 0 by 0): that is greedy.
+    if temperature < torch.finfo(torch.float32).tiny:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # The best logit is moved to 0 before dividing, so no small temperature makes one overflow
+    # to inf, or all of them to -inf (either makes the softmax NaN); the others go at worst to
+    # -inf, probability 0.
+    logits = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+    probs = truncate_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def truncate_logits(logits, top_k=None, top_p=None):
+    """logits (B, V) with every id outside the top_k and outside the top_p nucleus set to -inf."""
     if top_k is not None:
         kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, -math.inf)
-    if top_p is not None:
+    # top_p=1 keeps every id: the float32 cumulative sum reaches 1 before the last ids, whose
+    # mass is below its rounding, and the rule below would drop them.
+    if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop an id once the ids before it already hold top_p of the mass (the best always stays).
         drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -math.inf)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return logits

@@ -6,6 +6,7 @@ against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -15,7 +16,10 @@ except ImportError:
     sys.exit("error: plot_log.py needs matplotlib: pip install matplotlib")
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
+
+from atomic import atomic_open
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).
@@ -23,14 +27,19 @@ GPT2_VAL_LOSS = 3.2924
 GPT2_HELLASWAG = 0.2955
 GPT3_HELLASWAG = 0.337
 FIGSIZE, DPI = (14, 5), 100  # 1400 x 500 pixels
+SERIES = dict(train="train_loss", val="val_loss", hellaswag="hellaswag_acc_norm")  # a run's series: their log fields
 
 
 def read_log(path):
     """The records of a log.jsonl. A line that does not parse is skipped with a warning: the
     last line of a run that crashed mid-write, or, when a resumed run appended to such a
-    file, the line where the two runs' writes ran together."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+    file, the line where the two runs' writes ran together. So is a record whose step, tokens or
+    plotted value is not a finite number (null, a string, NaN): there is nothing to draw."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, or not a text file at all
+        sys.exit(f"error: {path}: {e}")
     records = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -43,8 +52,17 @@ def read_log(path):
             what = "truncated last line (a crash mid-write?)" if n == len(lines) else "damaged line"
             print(f"warning: {path}:{n}: skipping a {what}", file=sys.stderr)
             continue
+        bad = next((k for k in ("step", "tokens", *SERIES.values()) if k in record and not is_number(record[k])), None)
+        if bad:
+            print(f"warning: {path}:{n}: skipping a record whose {bad} is {json.dumps(record[bad])}, not a finite number",
+                  file=sys.stderr)
+            continue
         records.append(record)
     return records
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def series(records, key):
@@ -70,9 +88,7 @@ def load_run(path):
     per_step = {r["tokens"] / r["step"] for r in records if r["step"] > 0}
     return dict(
         label=label,
-        train=series(records, "train_loss"),
-        val=series(records, "val_loss"),
-        hellaswag=series(records, "hellaswag_acc_norm"),
+        **{name: series(records, key) for name, key in SERIES.items()},
         steps=max(r["step"] for r in records),
         tokens=max(r["tokens"] for r in records),
         tokens_per_step=per_step.pop() if len(per_step) == 1 else None,
@@ -111,7 +127,7 @@ def loss_limits(runs):
     return low - margin, high + margin
 
 
-def plot(runs, out, x):
+def plot(runs, out, image_format, x):
     fig, (ax_loss, ax_hs) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     i = 0 if x == "step" else 1  # series are (steps, tokens, values)
@@ -135,7 +151,7 @@ def plot(runs, out, x):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)  # no bbox_inches="tight": the image keeps FIGSIZE x DPI pixels
+    fig.savefig(out, format=image_format)  # no bbox_inches="tight": the image keeps FIGSIZE x DPI pixels
     plt.close(fig)
 
 
@@ -160,13 +176,23 @@ def tokens_axis(runs, x, axes):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot loss and HellaSwag of training runs from their log.jsonl.")
     parser.add_argument("logs", nargs="+", help="log directories of train_gpt2.py (or log.jsonl files)")
-    parser.add_argument("-o", "--out", default="plot.png", help="the PNG to write")
+    parser.add_argument("-o", "--out", default="plot.png", help="the image to write; its extension names the format")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis")
     args = parser.parse_args(argv)
+    # Named by the extension, as matplotlib would; without one it would write OUT.png, not OUT.
+    image_format = os.path.splitext(args.out)[1][1:].lower()
+    if image_format not in FigureCanvasAgg.get_supported_filetypes():
+        sys.exit(f"error: -o {args.out}: the extension must name an image format (png, pdf, svg, ...)")
     runs = [load_run(path) for path in args.logs]
+    try:
+        with atomic_open(args.out) as f:
+            plot(runs, f, image_format, args.x)
+    except OSError as e:  # a missing directory, or one we may not write to
+        sys.exit(f"error: -o {args.out}: {e.strerror or e}")
+    except RuntimeError as e:  # a writer that needs a missing tool (pgf: LaTeX)
+        sys.exit(f"error: -o {args.out}: {' '.join(str(e).split())}")
     for run in runs:
         print(summary(run))
-    plot(runs, args.out, args.x)
     print(f"wrote {args.out}")
 
 

@@ -40,6 +40,7 @@ def parse_args(argv=None):
         (args.temperature >= 0, "--temperature must be 0 (greedy) or more"),
         (args.top_k >= 0, "--top_k must be 0 (no limit) or more"),
         (args.top_p is None or 0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+        (args.seed is None or 0 <= args.seed < 2**64, "--seed must be in [0, 2**64)"),  # torch's seeds are 64-bit
     ]
     for ok, message in checks:
         if not ok:
@@ -51,7 +52,7 @@ def read_prompt(prompt):
     if not prompt.startswith("@"):
         return prompt
     try:
-        with open(prompt[1:], encoding="utf-8") as f:
+        with open(prompt[1:], encoding="utf-8", newline="") as f:  # as is: \r\n stays \r\n
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         sys.exit(f"error: --prompt {prompt}: {e}")

@@ -14,14 +14,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
 
-def make_hf_gpt2(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=128, seed=0):
+def make_hf_gpt2(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=128, seed=0, **config):
     """A random Hugging Face GPT-2 whose every parameter (LayerNorms too) is moved off its
-    init value, so a loader that skipped or mis-transposed any tensor shows in the logits."""
+    init value, so a loader that skipped or mis-transposed any tensor shows in the logits.
+    config: more GPT2Config fields."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(n_positions=block_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                        vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
+                        vocab_size=vocab_size, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config)
     hf = GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for p in hf.parameters():

@@ -117,6 +117,7 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(padded, tmp_path, monk
 
     monkeypatch.setattr(export_hf, "write_tokenizer", disk_full)
     assert "No space left on device" in error_of([ckpt, str(out)])
+    assert "No space left on device" in error_of([ckpt, str(tmp_path / "new" / "deeper" / "out")])  # nor parents
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["damaged.pt", "small.pt"]
     # An existing non-empty out_dir is refused, untouched, unless --force.

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_hf_gpt2
-from model import GPT, GPTConfig, sample_next_token
+from model import GPT, GPTConfig, sample_next_token, truncate_logits
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
@@ -62,6 +62,16 @@ def test_logits_equal_hugging_face(hf_gpt2_dir):
     with torch.no_grad():
         diff = (ours(idx)[0] - hf(idx).logits).abs().max().item()
     assert diff < 1e-4
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tie_word_embeddings", False), ("layer_norm_epsilon", 1e-6), ("scale_attn_weights", False),
+    ("scale_attn_by_inverse_layer_idx", True), ("activation_function", "gelu"), ("n_inner", 64),
+])
+def test_from_pretrained_refuses_a_config_that_is_not_gpt2s_maths(tmp_path, field, value):
+    make_hf_gpt2(**{field: value}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"not a GPT-2 architecture \({field}={value!r}\)$"):
+        GPT.from_pretrained(str(tmp_path))
 
 
 def test_from_pretrained_names_the_first_mismatch(tmp_path):
@@ -139,6 +149,21 @@ def test_top_p_keeps_the_smallest_nucleus():
     counts = torch.bincount(picked, minlength=4)
     assert counts[2:].sum() == 0 and counts[0] > counts[1] > 0
     assert torch.equal(sample_next_token(logits[:1], temperature=0), torch.tensor([[0]]))
+
+
+@pytest.mark.parametrize("temperature", [1e-37, 1e-46])
+def test_a_tiny_temperature_is_greedy_not_nan(temperature):
+    # Logits of GPT-2's size divided by 1e-37 overflow float32; 1e-46 is 0 in float32.
+    logits = 100 * torch.randn(4, N_VOCAB, generator=torch.Generator().manual_seed(0))
+    picked = sample_next_token(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(picked, logits.argmax(dim=-1, keepdim=True))
+
+
+def test_top_p_1_keeps_every_id():
+    # Peaked logits over GPT-2's vocabulary: the float32 cumulative sum reaches 1 long before the last id.
+    logits = 6 * torch.randn(4, N_VOCAB, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(truncate_logits(logits, top_p=1.0), logits)
+    assert torch.equal(truncate_logits(logits, top_k=50, top_p=1.0), truncate_logits(logits, top_k=50))
 
 
 def test_padded_vocabulary_never_reaches_loss_or_samples():

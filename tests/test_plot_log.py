@@ -76,3 +76,46 @@ def test_missing_or_empty_logs_are_one_line_errors(tmp_path):
     result = run_script("plot_log.py", "nowhere", cwd=tmp_path)
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == "error: nowhere: no such file or directory\n"
+
+
+def exit_message(argv):
+    """The message plot_log.main exits with (Python prints it and exits with status 1)."""
+    with pytest.raises(SystemExit) as e:
+        plot_log.main(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code
+    return e.value.code
+
+
+def test_bad_output_paths_are_one_line_errors_and_write_nothing(tmp_path):
+    write_log(tmp_path / "run", 20, best_val=3.1, best_hellaswag=0.31)
+    for out, message in ((tmp_path / "no_dir" / "x.png", "No such file or directory"),
+                         (tmp_path / "x.xyz", "the extension must name an image format (png, pdf, svg, ...)"),
+                         (tmp_path / "x", "the extension must name an image format (png, pdf, svg, ...)")):
+        assert exit_message([str(tmp_path / "run"), "-o", str(out)]) == f"error: -o {out}: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # matplotlib would have written x.png
+
+
+def test_a_log_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_bytes(b'{"step": 0, "tokens": 0, "val_loss": 10.0}\n\xff\xfe\x00\x01\n')
+    message = exit_message([str(tmp_path / "run"), "-o", str(tmp_path / "x.png")])
+    assert message.startswith(f"error: {tmp_path / 'run' / 'log.jsonl'}: 'utf-8' codec can't decode byte 0xff")
+
+
+def test_a_record_whose_value_is_not_a_number_is_skipped(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_text(
+        '{"step": 0, "tokens": 0, "val_loss": 10.0}\n'
+        '{"step": 10, "tokens": 100, "val_loss": null}\n'
+        '{"step": 20, "tokens": 200, "val_loss": NaN}\n'
+        '{"step": "30", "tokens": 300, "train_loss": 3.0}\n'
+        '{"step": 40, "tokens": 400, "val_loss": 4.0}\n')
+    plot_log.main([str(tmp_path / "run"), "-o", str(tmp_path / "x.png")])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].endswith("run: 40 steps, 400 tokens; best val loss 4.0000 (step 40); no HellaSwag acc_norm")
+    log = tmp_path / "run" / "log.jsonl"
+    assert err.splitlines() == [
+        f"warning: {log}:2: skipping a record whose val_loss is null, not a finite number",
+        f"warning: {log}:3: skipping a record whose val_loss is NaN, not a finite number",
+        f'warning: {log}:4: skipping a record whose step is "30", not a finite number',
+    ]

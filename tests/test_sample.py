@@ -48,6 +48,11 @@ def test_seeded_samples_repeat_and_read_the_prompt_from_a_file(padded, tmp_path,
     assert from_file.stdout == capsys.readouterr().out == expected
 
 
+def test_a_prompt_file_is_read_as_is(tmp_path):
+    (tmp_path / "prompt.txt").write_bytes(b"Dear Sir,\r\n\r\nold Mac line\rend\n")
+    assert sample.read_prompt(f"@{tmp_path / 'prompt.txt'}") == "Dear Sir,\r\n\r\nold Mac line\rend\n"
+
+
 def test_top_k_1_is_greedy_and_never_a_padding_id(padded):
     model, ckpt = padded
     result = run_script("sample.py", "--model", ckpt, "--prompt", PROMPT, "--num_samples", 1,
@@ -95,6 +100,8 @@ def is_utf8(b):
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
     (["--top_k", "-5"], "error: --top_k must be 0 (no limit) or more"),
     (["--top_p", "0"], "error: --top_p must be in (0, 1]"),
+    (["--seed", "99999999999999999999999"], "error: --seed must be in [0, 2**64)"),
+    (["--seed", "-1"], "error: --seed must be in [0, 2**64)"),
     (["--prompt", "@no/such/prompt.txt"], "error: --prompt @no/such/prompt.txt: [Errno 2]"),
     (["--device", "nonsense"], "error: --device nonsense:"),
     (["--model", "no/such/ckpt_000100.pt"], "error: no/such/ckpt_000100.pt: no such checkpoint"),
