@@ -162,12 +162,14 @@ def ending_losses(model, rows, device, dtype=torch.float32):
     with autocast(torch.device(device).type, dtype):
         # Logits only where an ending token is predicted: the head over the whole vocabulary is
         # most of a small model's work, and the context positions' logits are never used.
-        hidden = model.hidden_states(inputs)[scored]
-        # A chunk of positions at a time: a batch's logits (1.7 GB in float32 for 64 examples)
-        # never exist at once, so the batch size is bounded by the model, not by the head.
-        chunk = max(1, LOGITS_PER_CHUNK // model.config.vocab_size)
-        losses = [F.cross_entropy(model.head(h).float(), t, reduction="none")
-                  for h, t in zip(hidden.split(chunk), targets[scored].split(chunk))]
+        hidden = model.hidden_states(inputs)[scored].float()
+    # The head in float32, outside autocast: GPT-2's logits lie around -60, where bfloat16's
+    # steps are 0.25 apart, coarser than the loss differences between endings it must rank.
+    # A chunk of positions at a time: a batch's logits (1.7 GB in float32 for 64 examples)
+    # never exist at once, so the batch size is bounded by the model, not by the head.
+    chunk = max(1, LOGITS_PER_CHUNK // model.config.vocab_size)
+    losses = [F.cross_entropy(model.head(h), t, reduction="none")
+              for h, t in zip(hidden.split(chunk), targets[scored].split(chunk))]
     token_losses = torch.zeros(targets.shape, device=hidden.device)
     token_losses[scored] = torch.cat(losses)
     total = token_losses.sum(dim=1)

@@ -1,4 +1,5 @@
 """hellaswag.py: the scoring method, batching, the rank split, the data checks, the CLI. Offline."""
+import copy
 import dataclasses
 import json
 import os
@@ -111,6 +112,19 @@ def test_scores_do_not_depend_on_the_logits_chunk(tiny, examples, monkeypatch):
     chunked = all_scores(tiny, examples, batch_size=16)
     for a, b in zip(whole, chunked):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_scores_keep_the_head_in_float32(tiny, examples):
+    """GPT-2's logits lie near -60, where bfloat16 rounds to steps of 0.25: rounded there, the
+    losses of endings would be off by more than the differences that rank them."""
+    model = copy.deepcopy(tiny)
+    with torch.no_grad():  # every logit moved by -60 (a constant hidden unit): no loss changes
+        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
+        model.lm_head.weight[:, 0] = -60.0
+    rows = [row for e in examples for row in hellaswag.example_rows(e, model.config.block_size)]
+    _, exact = hellaswag.ending_losses(model, rows, "cpu", torch.float32)
+    _, bf16 = hellaswag.ending_losses(model, rows, "cpu", torch.bfloat16)
+    assert (bf16 - exact).abs().max() < 2e-3  # the body's bf16 noise; rounded logits gave 7e-2 here
 
 
 def test_long_rows_keep_the_ending_and_drop_context_from_the_left():
