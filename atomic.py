@@ -1,4 +1,5 @@
 """Files that are never half-written: shards, manifests, checkpoints, logs rewritten on resume."""
+import errno
 import os
 from contextlib import contextmanager
 
@@ -23,3 +24,13 @@ def atomic_open(path, mode="wb"):
 def temporary_path(path):
     """Where atomic_open writes before renaming to path: beside it, one name per process."""
     return f"{path}.tmp{os.getpid()}"
+
+
+def check_writable(path):
+    """Raises OSError unless atomic_open can write path (making its directory if missing), so a
+    script can check where its results go before hours of work rather than after."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a file name", path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    open(temporary_path(path), "w").close()
+    os.remove(temporary_path(path))

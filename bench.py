@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fineweb
 import hellaswag
-from atomic import atomic_open, temporary_path
+from atomic import atomic_open, check_writable
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
@@ -80,12 +80,8 @@ def parse_args(argv=None):
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
     if args.json:
-        if os.path.isdir(args.json):
-            p.error(f"--json {args.json}: a directory, not a file name")
-        try:  # a file written and removed where atomic_open will write its temporary file
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            open(temporary_path(args.json), "w").close()
-            os.remove(temporary_path(args.json))
+        try:
+            check_writable(args.json)
         except OSError as e:
             p.error(f"--json {args.json}: cannot write there ({e.strerror})")
     return args

@@ -23,10 +23,10 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from atomic import atomic_open
+from atomic import atomic_open, check_writable
 from checkpoint import CheckpointError, load_model
 from devices import autocast, pick_device, pick_dtype
-from tokenizer import get_encoding
+from tokenizer import N_VOCAB, get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
 URL_ENV = "HELLASWAG_URL"  # overrides URL: a mirror, or a local folder as file:///... (the tests)
@@ -93,12 +93,13 @@ def read_examples(path, expected=None):
 def download(url, path):
     """Fetches url to path through a temporary name (one per process: DDP ranks may download
     at once), renamed once complete: an interrupted download never takes the final name."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     print(f"downloading {url} to {path}")
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with urllib.request.urlopen(url, timeout=60) as response, atomic_open(path) as f:
             shutil.copyfileobj(response, f)
-    except (OSError, http.client.HTTPException) as e:  # URLError and timeouts are OSErrors
+    # URLError and timeouts are OSErrors; ValueError: a URL of no known scheme
+    except (OSError, ValueError, http.client.HTTPException) as e:
         raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); "
                              f"pass --data PATH to score a local copy") from None
 
@@ -141,6 +142,18 @@ def example_rows(example, block_size):
         row_ctx = ctx[-keep:]
         rows.append((row_ctx + end, len(row_ctx)))
     return rows
+
+
+def check_model(config, examples):
+    """Raises HellaSwagError unless a model of this config can score every example: its
+    vocabulary must hold GPT-2's token ids, and its block_size each ending (see example_rows)."""
+    if config.vocab_size < N_VOCAB:
+        raise HellaSwagError(f"a vocabulary of {config.vocab_size} cannot read GPT-2's {N_VOCAB} token ids")
+    try:
+        for example in examples:
+            example_rows(example, config.block_size)
+    except ValueError as e:
+        raise HellaSwagError(str(e)) from None
 
 
 def make_batch(rows, device):
@@ -238,6 +251,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--batch_size and --limit must be at least 1")
+    if args.json:
+        try:  # now, not after the scoring
+            check_writable(args.json)
+        except OSError as e:
+            sys.exit(f"hellaswag.py: error: --json {args.json}: cannot write there ({e.strerror})")
 
     try:
         examples = load_examples(args.data, args.split, args.cache_dir)[: args.limit]
@@ -251,6 +269,10 @@ def main(argv=None):
         model = load_model(args.model, map_location=device).to(device).eval()
     except CheckpointError as e:
         sys.exit(f"hellaswag.py: error: {e}")
+    try:
+        check_model(model.config, examples)
+    except HellaSwagError as e:
+        sys.exit(f"hellaswag.py: error: {args.model}: {e}")
 
     dtype = pick_dtype(args.dtype, torch.device(device).type)
     result = evaluate(model, examples, device, args.batch_size, dtype, progress=True)
@@ -260,7 +282,7 @@ def main(argv=None):
           f"acc {result['acc']:.4f} ({result['correct']}/{result['n']}), "
           f"acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['n']})")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_open(args.json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
 

@@ -553,6 +553,12 @@ def train(args):
     if world_size > 1:
         # Gradients as views into DDP's all-reduce buckets: no second gradient-sized buffer, no copy.
         model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True)
+    if hellaswag_examples:
+        try:
+            hellaswag.check_model(raw_model.config, hellaswag_examples)
+        except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
+            log(f"note: skipping HellaSwag: {e}")
+            hellaswag_examples = None
     if args.sample_interval and raw_model.config.vocab_size < N_VOCAB:
         log(f"note: no samples: a vocabulary of {raw_model.config.vocab_size} cannot encode the GPT-2 prompt")
         args.sample_interval = 0

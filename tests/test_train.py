@@ -123,6 +123,15 @@ def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards
     assert [r["step"] for r in train_records(branched)] == [2, 3]
 
 
+def test_hellaswag_is_skipped_with_a_note_for_a_model_that_cannot_read_it(shards, tmp_path, capsys):
+    examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
+    records = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "1",
+                    "--eval_interval", "1", "--hellaswag", "1", "--hellaswag_path", examples)
+    assert "note: skipping HellaSwag: a vocabulary of 256 cannot read GPT-2's 50257 token ids" in capsys.readouterr().out
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 1]
+    assert not any("hellaswag_acc_norm" in r for r in records)
+
+
 def stream_loader(tmp_path, sizes, B, T, world_size, rank):
     """Shards whose tokens count up from 0 across files, so a token's value is its position."""
     start, paths = 0, []
