@@ -369,8 +369,11 @@ class RunLog:
 
     def write(self, **record):
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:  # a full disk: a record lost costs less than the run
+                print(f"warning: could not append to {self.path}: {e}", file=sys.stderr)
             for mirror in self.mirrors:
                 mirror(record)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import train_gpt2
 from conftest import REPO, run_torchrun, write_token_shards
 from data import write_shard
 from test_hellaswag import EXAMPLES, write_jsonl
@@ -163,6 +164,18 @@ def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000004.pt"]
     assert_each_step_logged_once(tmp_path, 8)
     checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
+
+
+def test_a_log_that_cannot_be_appended_to_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
+    def disk_full_for_the_log(path, mode="r", *args, **kwargs):
+        if str(path).endswith("log.jsonl") and mode == "a":
+            raise OSError(28, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(train_gpt2, "open", disk_full_for_the_log, raising=False)  # shadows the builtin there
+    train_gpt2.main(TINY + ["--data_dir", shards, "--log_dir", str(tmp_path), *RUN])
+    assert "warning: could not append to" in capsys.readouterr().err
+    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
 
 
 def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
