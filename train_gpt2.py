@@ -492,17 +492,22 @@ def check_no_later_checkpoints(log_dir, step):
 
 
 def restore(state, path, raw_model, optimizer, scaler, train_loader):
+    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step") if key not in state]
+    if missing:
+        raise RunError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     if state["config"] != asdict(raw_model.config):
         diff = ", ".join(f"{k} {v} (this run: {asdict(raw_model.config).get(k)})"
                          for k, v in state["config"].items() if asdict(raw_model.config).get(k) != v)
         raise RunError(f"{path} holds a model of another architecture: {diff}")
     raw_model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
+        scaler.load_state_dict(state["scaler"])
     train_loader.load_state_dict(state["train_loader"])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
     return state["step"]
 
 
@@ -523,8 +528,10 @@ def train(args):
         f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
-    if master:
+    try:  # on every rank, so that all stop alike if it cannot be made
         os.makedirs(args.log_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--log_dir {args.log_dir}: cannot make it ({e.strerror})") from None
 
     ensure_demo_shards(args, rank, log)
     train_loader, val_loader = build_loaders(args, rank, world_size, log)

@@ -11,7 +11,7 @@ import torch
 import checkpoint
 import train_gpt2
 from checkpoint import load_checkpoint
-from conftest import REPO, run_script, run_torchrun, write_token_shards
+from conftest import REPO, run_script, run_torchrun, save_as_checkpoint, write_token_shards
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES, write_jsonl
 from data import ShardLoader, list_shards, shard_name, write_shard
@@ -291,6 +291,34 @@ def test_bad_input_fails_with_one_line(shards, tmp_path, capsys):
     assert "is not KIND@STEP[:RANK]" in error_of(capsys, *common, "--fault", "nan@x")
     if not torch.cuda.is_available():
         assert "--device cuda: device cuda:0 cannot be used here" in error_of(capsys, *common, "--device", "cuda")
+
+
+def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
+    train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "2")
+    # Saved in float32 (no loss scaler state), resumed with fp16 loss scaling: a fresh scale.
+    resumed = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "3", "--dtype", "float16")
+    assert [r["step"] for r in train_records(resumed)] == [0, 1, 2]
+    # Saved by a process that saw 8 GPUs, resumed where there is one: that one's state only.
+    state = load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
+    state["rng"]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    loader = ShardLoader(list_shards(shards, "train"), 8, 32)
+    step = train_gpt2.restore(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                              torch.amp.GradScaler("cpu", enabled=False), loader)
+    assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
+
+
+def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_line(shards, tmp_path):
+    model_only = save_as_checkpoint(GPT(GPTConfig(**TINY_CONFIG)), tmp_path / "model_only.pt")
+    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only))
+    assert message == f"error: {model_only} holds no optimizer: a model to score or sample, not a run to resume"
+    (tmp_path / "file").write_text("")
+    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "file" / "log"))
+    assert message.startswith(f"error: --log_dir {tmp_path / 'file' / 'log'}: cannot make it")
 
 
 def test_resume_with_another_architecture_is_refused(shards, tmp_path):
