@@ -149,8 +149,8 @@ def expand_inputs(paths):
                 names = os.listdir(path)
             except OSError as e:
                 raise InputError(f"{path}: cannot list ({e.strerror or e})") from None
-            found = sorted(os.path.join(path, name) for name in names
-                           if name.lower().endswith(EXTENSIONS) and os.path.isfile(os.path.join(path, name)))
+            found = sorted(os.path.join(path, name) for name in names  # the manifest: our output, when sharding into it
+                           if name.lower().endswith(EXTENSIONS) and name != MANIFEST and os.path.isfile(os.path.join(path, name)))
             if not found:
                 raise InputError(f"{path}: directory holds no {'/'.join(EXTENSIONS)} files")
             files += found

@@ -352,6 +352,14 @@ def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
     assert fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)["status"] == "already complete"
 
 
+def test_a_directory_sharded_into_itself_reruns_as_complete(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", DOCS)
+    first = fineweb.shard_local_files(str(tmp_path), str(tmp_path), "tiny", 7)
+    # Its manifest, written there, is not read back as an input: the rerun is the same run.
+    assert first["documents"] == len(DOCS)
+    assert fineweb.shard_local_files(str(tmp_path), str(tmp_path), "tiny", 7)["status"] == "already complete"
+
+
 def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     foreign = tmp_path / "foreign"
