@@ -269,7 +269,8 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
     # The best logit is moved to 0 before dividing, so no small temperature makes one overflow
     # to inf, or all of them to -inf (either makes the softmax NaN); the others go at worst to
     # -inf, probability 0.
-    logits = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+    logits = logits.float()
+    logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = truncate_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
