@@ -36,7 +36,7 @@ from atomic import atomic_open, check_writable
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
-from devices import autocast, peak_flops, pick_device, pick_dtype
+from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 from train_gpt2 import forward_backward
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag")
@@ -124,8 +124,7 @@ def time_steps(step, n_warmup, n_steps, device):
     for i in range(n_warmup + n_steps):
         t0 = time.perf_counter()
         step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(device)
         if i >= n_warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)

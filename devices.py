@@ -40,6 +40,15 @@ def autocast(device_type, dtype):
     return torch.autocast(device_type, dtype) if dtype != torch.float32 else nullcontext()
 
 
+def synchronize(device):
+    """Waits until the device has run all the work queued on it: a timer stopped without this
+    times only the queueing (GPUs and Apple's MPS run asynchronously; a CPU has nothing to wait for)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elif str(device).startswith("mps"):
+        torch.mps.synchronize()
+
+
 def peak_flops(device):
     """The device's dense bf16 peak FLOP/s, or None where unknown (any CPU)."""
     if not str(device).startswith("cuda"):

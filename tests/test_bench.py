@@ -80,3 +80,11 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
         error = capsys.readouterr().err.splitlines()[-1]
         assert "error: " in error and message in error, (flags, error)
     assert os.listdir(tmp_path) == ["file"]
+
+
+def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
+    """On MPS, as on CUDA, a step returns before the device has run it: the timer must wait."""
+    waits = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: waits.append("mps"))
+    bench.time_steps(lambda: None, n_warmup=2, n_steps=3, device="mps")
+    assert waits == ["mps"] * 5
