@@ -205,8 +205,7 @@ def train_step_project(model, shard, B, T, device, dtype, compile_model, fused_a
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(compiled, loader, device, 1, mixed_precision, scaler)
+        loss = forward_backward(compiled, optimizer, loader, device, 1, mixed_precision, scaler)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)

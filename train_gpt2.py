@@ -561,7 +561,8 @@ def train(args):
     # call, which would recompile. Val loss has the training shapes and runs compiled.
     model = torch.compile(raw_model) if resolve_compile(args.compile, device_type, log) else raw_model
     if world_size > 1:
-        # Gradients as views into DDP's all-reduce buckets: no second gradient-sized buffer, no copy.
+        # Gradients as views into DDP's all-reduce buckets (kept, see forward_backward): no second
+        # gradient-sized buffer, no copy.
         model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True)
     if hellaswag_examples:
         try:
@@ -603,8 +604,8 @@ def train(args):
 
             t0 = time.time()
             faults.before_step(step)
-            optimizer.zero_grad(set_to_none=True)
-            loss_accum = forward_backward(model, train_loader, device, grad_accum_steps, mixed_precision, scaler, faults.poison)
+            loss_accum = forward_backward(model, optimizer, train_loader, device, grad_accum_steps, mixed_precision,
+                                          scaler, faults.poison)
             loss, norm, stop_requested = agree_on_step(loss_accum, stop.received is not None, raw_model, optimizer,
                                                        scaler, args.grad_clip)
             lr = get_lr(step, args)
@@ -648,10 +649,13 @@ def to_device(t, device):
     return t.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else t.to(device)
 
 
-def forward_backward(model, loader, device, grad_accum_steps, mixed_precision, scaler, poison=None):
+def forward_backward(model, optimizer, loader, device, grad_accum_steps, mixed_precision, scaler, poison=None):
     """Gradients of the mean loss over grad_accum_steps micro-batches, all-reduced (under DDP) only
     on the last one: no_sync() covers the forward and backward of the others. Returns the mean
     loss as a device tensor, without waiting for the device."""
+    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
+    # so. Set to None, each step would allocate a second set and copy it into the buckets.
+    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     loss_accum = torch.zeros((), device=device)
     for micro_step in range(grad_accum_steps):
         x, y = (to_device(t, device) for t in loader.next_batch())

@@ -236,6 +236,31 @@ def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
         assert torch.allclose(tensor, ddp_weights[key], atol=1e-5), key
 
 
+def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
+    """With gradient_as_bucket_view, DDP's all-reduce buckets are the gradients: every micro-step
+    of every step accumulates into them, never into a second, freshly allocated set."""
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  (see train_gpt2.setup_distributed)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        raw_model = GPT(GPTConfig(**TINY_CONFIG))
+        model = DDP(raw_model, gradient_as_bucket_view=True)
+        optimizer = raw_model.configure_optimizers(0.1, 1e-3, "cpu")
+        loader = ShardLoader(list_shards(shards, "train"), 2, 32)
+        where = []  # the gradient's storage after each micro-step's accumulation
+        raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(2):
+            train_gpt2.forward_backward(model, optimizer, loader, "cpu", 2, train_gpt2.nullcontext(), scaler)
+            optimizer.step()
+    finally:
+        dist.destroy_process_group()
+    # The first step allocates, and DDP copies into its bucket and keeps the bucket as the gradient.
+    assert len(where) == 4 and where[2] == where[3] == raw_model.lm_head.weight.grad.data_ptr() != where[0]
+
+
 def test_resume_is_exact(shards, tmp_path):
     # 2N steps in one go, then N steps resumed from the checkpoint at N: the same losses.
     full = train(shards, tmp_path / "full", "--total_batch_size", "256", "-B", "8", "--max_steps", "12",
