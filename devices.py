@@ -1,11 +1,15 @@
 """Where and in what precision to run: one answer for training, evaluation, sampling and the benchmark."""
+import re
 from contextlib import nullcontext
 
 import torch
 
-# Dense bf16 peak FLOP/s, for MFU; the first name found in the device's name wins.
-PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-              ("A100", 312e12), ("L40S", 362e12), ("A10", 125e12), ("L4", 121e12), ("4090", 165e12)]
+# Dense bf16 peak FLOP/s per GPU, from NVIDIA's datasheets, for MFU. The first entry whose words
+# all appear, in order and whole, in the device's name wins: variants before the plain model
+# ("H100 NVL" before "H100"), and "L4" does not match an L40, nor "A100" an RTX A1000.
+PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H200 NVL", 835e12),
+              ("H200", 989e12), ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
+              ("L4", 121e12), ("A10", 125e12), ("4090", 165e12)]
 
 
 def pick_device(name="auto", local_rank=0):
@@ -53,5 +57,5 @@ def peak_flops(device):
     """The device's dense bf16 peak FLOP/s, or None where unknown (any CPU)."""
     if not str(device).startswith("cuda"):
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    words = f" {' '.join(re.findall('[A-Za-z0-9]+', torch.cuda.get_device_name(device)))} "
+    return next((flops for key, flops in PEAK_FLOPS if f" {key} " in words), None)

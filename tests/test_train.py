@@ -539,3 +539,15 @@ def test_compile_auto_is_on_for_cuda_only_and_says_why_not_elsewhere(monkeypatch
     assert train_gpt2.resolve_compile("auto", "cuda", notes.append) is False
     assert notes[-1] == "note: --compile auto stays off on Windows"
     assert train_gpt2.resolve_compile("1", "cpu", notes.append) is True
+
+
+def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
+    from devices import peak_flops
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
+             "NVIDIA L4": 121e12, "NVIDIA A10": 125e12, "NVIDIA GeForce RTX 4090": 165e12,
+             "NVIDIA RTX A1000": None, "NVIDIA A10G": None, "Tesla V100-SXM2-16GB": None}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        assert peak_flops("cuda:0") == peak, name
+    assert peak_flops("cpu") is None
