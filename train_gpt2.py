@@ -268,12 +268,18 @@ def build_loaders(args, rank, world_size, log):
     return train, val
 
 
-def load_hellaswag(args, log):
+def load_hellaswag(args, local_rank, log):
     """The HellaSwag examples to score at each eval, or None with a one-line note. Each eval is
     a collective, so unless every rank loaded the same number of examples, no rank scores any."""
     if not args.hellaswag or not args.eval_interval:
         return None
+    # One download per machine, not one per GPU: local rank 0 reads first, fetching the file
+    # if it is not cached; the other ranks wait at the barrier, then read its copy.
+    if dist.is_initialized() and local_rank != 0:
+        dist.barrier()
     examples = read_hellaswag(args, log)
+    if dist.is_initialized() and local_rank == 0:
+        dist.barrier()
     counts = every_rank(len(examples) if examples else 0)
     if len(set(counts)) > 1:
         log(f"note: skipping HellaSwag: not every rank could load it (examples per rank: {counts})")
@@ -535,7 +541,7 @@ def train(args):
 
     ensure_demo_shards(args, rank, log)
     train_loader, val_loader = build_loaders(args, rank, world_size, log)
-    hellaswag_examples = load_hellaswag(args, log)
+    hellaswag_examples = load_hellaswag(args, local_rank, log)
 
     raw_model = build_model(args, log).to(device)
     if args.seq_len > raw_model.config.block_size:

@@ -337,6 +337,22 @@ def test_hellaswag_is_skipped_on_every_rank_when_one_rank_cannot_load_it(shards,
     assert not any("hellaswag_acc_norm" in r for r in records)
 
 
+def test_hellaswag_is_downloaded_once_per_machine_not_once_per_rank(shards, tmp_path, monkeypatch):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    write_jsonl(mirror / "hellaswag_val.jsonl", [EXAMPLES[i % len(EXAMPLES)] for i in range(10042)])
+    monkeypatch.setenv("HELLASWAG_URL", mirror.as_uri())
+    script = tmp_path / "cached_in_tmp.py"
+    script.write_text(f"import sys; sys.path.insert(0, {REPO!r})\nimport hellaswag, train_gpt2\n"
+                      f"hellaswag.CACHE_DIR = {str(tmp_path / 'cache')!r}\ntrain_gpt2.main()\n")
+    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--vocab_size", "50304", "--data_dir", shards,
+                          "--log_dir", tmp_path / "log", "--max_steps", "1", "--eval_interval", "1",
+                          "--hellaswag", "1", "--hellaswag_limit", "4", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("downloading ") == 1
+    assert [r["hellaswag_n"] for r in read_log(tmp_path / "log") if "hellaswag_n" in r] == [4, 4]
+
+
 def test_ranks_stop_together_after_too_many_bad_steps_on_one_rank(shards, tmp_path):
     faults = [arg for step in (1, 2) for arg in ("--fault", f"nan@{step}:1")]
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
