@@ -506,7 +506,12 @@ def restore(state, path, raw_model, optimizer, scaler, train_loader):
                          for k, v in state["config"].items() if asdict(raw_model.config).get(k) != v)
         raise RunError(f"{path} holds a model of another architecture: {diff}")
     raw_model.load_state_dict(state["model"])
+    # The saved param groups also hold the saving machine's AdamW kernel (fused, foreach): this
+    # machine's own choice stays, so a run saved on a CPU resumes fused on a GPU, and back.
+    kernels = [{k: group[k] for k in ("fused", "foreach")} for group in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
     if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
         scaler.load_state_dict(state["scaler"])
     train_loader.load_state_dict(state["train_loader"])

@@ -273,6 +273,18 @@ def test_resume_is_exact(shards, tmp_path):
         assert torch.equal(tensor, final_weights(tmp_path / "resumed", 12)[key]), key
 
 
+def test_resume_keeps_this_machines_adamw_kernel(shards):
+    """A checkpoint saved with fused AdamW (on a GPU) resumed where this run chose otherwise."""
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    loader = ShardLoader(list_shards(shards, "train"), 2, 32)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
+    state = train_gpt2.training_state(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
+    assert train_gpt2.restore(state, "ckpt", model, optimizer, scaler, loader) == 3
+    assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
+
+
 def test_resume_auto_truncates_the_log_to_the_checkpoint(shards, tmp_path):
     train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4")
     os.remove(tmp_path / "ckpt_000008.pt")  # as if the run died after step 8's log lines but before its checkpoint
