@@ -266,7 +266,8 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"hellaswag.py: error: --device {args.device}: {e}")
     try:
-        model = load_model(args.model, map_location=device).to(device).eval()
+        # Read on the CPU: a training checkpoint also holds AdamW's moments, twice the model's size.
+        model = load_model(args.model).to(device).eval()
     except CheckpointError as e:
         sys.exit(f"hellaswag.py: error: {e}")
     try:
