@@ -162,19 +162,22 @@ def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
     """The figures of one timed run on a fresh model, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     T = cfg["seq_len"]
+    # The baseline has none of the levers: nor the padded vocabulary, nor flash attention.
+    levers_off = set(LEVERS) if variant == "baseline" else {off}
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-    model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if off == "padded_vocab" else 50304,
+    model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if "padded_vocab" in levers_off else 50304,
                           n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
     step = None
     try:
         if variant == "project":
-            step = train_step_project(model, shard, B, T, device, dtype, compiled, off != "fused_adamw")
+            fused_adamw = "fused_adamw" not in levers_off
+            step = train_step_project(model, shard, B, T, device, dtype, compiled, fused_adamw)
         else:
             step = train_step_baseline(model, shard, B, T, device, dtype)
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        with sdpa_kernel(SDPBackend.MATH) if off == "flash_attention" else nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if "flash_attention" in levers_off else nullcontext():
             seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
         peak = peak_flops(device)
         return dict(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
@@ -216,7 +219,8 @@ def train_step_project(model, shard, B, T, device, dtype, compile_model, fused_a
 
 def train_step_baseline(model, shard, B, T, device, dtype):
     """The plainest faithful loop: eager, for-loop AdamW, the whole shard in memory as int64,
-    blocking copies, the loss read back after the forward."""
+    blocking copies, the loss read back after the forward (and, from time_train_run, an
+    unpadded vocabulary and the math attention)."""
     device_type = device.split(":")[0]
     tokens = torch.tensor(np.load(shard).astype(np.int64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,

@@ -88,3 +88,13 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
     monkeypatch.setattr(torch.mps, "synchronize", lambda: waits.append("mps"))
     bench.time_steps(lambda: None, n_warmup=2, n_steps=3, device="mps")
     assert waits == ["mps"] * 5
+
+
+def test_the_train_baseline_has_neither_the_padded_vocab_nor_flash_attention(tmp_path, monkeypatch):
+    seen = []
+
+    def record_baseline(model, *args):
+        return lambda: seen.append((model.config.vocab_size, torch.backends.cuda.flash_sdp_enabled()))
+    monkeypatch.setattr(bench, "train_step_baseline", record_baseline)
+    bench.bench_train(bench.parse_args(["--quick", "--parts", "train"]), "cpu", str(tmp_path), lambda result: None)
+    assert seen and set(seen) == {(50257, False)}
