@@ -480,7 +480,7 @@ def find_resume_state(args):
     if args.resume == "none":
         return None
     resume = latest_checkpoint(args.log_dir) if args.resume == "auto" else (args.resume, load_checkpoint(args.resume))
-    steps = every_rank(resume[1]["step"] if resume else None)
+    steps = every_rank(resume[1].get("step") if resume else None)  # a model-only one has none: restore says so
     if len(set(steps)) > 1:
         raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
                        f"on several nodes, --log_dir must be a directory they all share")

@@ -353,6 +353,11 @@ def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_l
     model_only = save_as_checkpoint(GPT(GPTConfig(**TINY_CONFIG)), tmp_path / "model_only.pt")
     message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only))
     assert message == f"error: {model_only} holds no optimizer: a model to score or sample, not a run to resume"
+    state = torch.load(model_only, weights_only=True)
+    del state["step"]  # no step either, as a checkpoint slimmed for sharing is
+    torch.save(state, model_only)
+    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only))
+    assert message == f"error: {model_only} holds no optimizer: a model to score or sample, not a run to resume"
     (tmp_path / "file").write_text("")
     message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "file" / "log"))
     assert message.startswith(f"error: --log_dir {tmp_path / 'file' / 'log'}: cannot make it")
