@@ -356,8 +356,11 @@ class RunLog:
         self.mirrors = mirrors
         if enabled:  # rewritten even when every record is kept: a half-written last line goes
             kept = self._records_before(keep_before)
-            with atomic_open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+            try:
+                with atomic_open(self.path, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+            except OSError as e:  # a full disk: the file stays as it was, and training goes on
+                print(f"warning: could not rewrite {self.path}: {e}", file=sys.stderr)
 
     def _records_before(self, step):
         if not os.path.exists(self.path):

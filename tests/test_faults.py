@@ -166,15 +166,20 @@ def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_
     checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
 
 
-def test_a_log_that_cannot_be_appended_to_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
+def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
     def disk_full_for_the_log(path, mode="r", *args, **kwargs):
         if str(path).endswith("log.jsonl") and mode == "a":
-            raise OSError(28, "No space left on device")
+            disk_full()
         return open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(train_gpt2, "open", disk_full_for_the_log, raising=False)  # shadows the builtin there
+    monkeypatch.setattr(train_gpt2, "atomic_open", disk_full)  # the rewrite at the start
     train_gpt2.main(TINY + ["--data_dir", shards, "--log_dir", str(tmp_path), *RUN])
-    assert "warning: could not append to" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: could not rewrite" in err and "warning: could not append to" in err
     assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
 
 
