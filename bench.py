@@ -485,8 +485,11 @@ def main(argv=None):
     def record(result):  # the JSON is rewritten after each result: a run cut short keeps what it measured
         report["results"].append(result)
         if args.json:
-            with atomic_open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            try:
+                with atomic_open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
+            except OSError as e:  # a full disk: the benchmark goes on, and the table at the end has it all
+                print(f"warning: could not write {args.json}: {e}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as workdir:
         if "matmul" in args.parts:
             bench_matmul(args, device, record)

@@ -62,6 +62,17 @@ def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
     assert [(r["name"], r["variant"]) for r in json.loads(out.read_text())["results"]] == [("matmul", "ceiling")]
 
 
+def test_a_json_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bench, "atomic_open", disk_full)
+    bench.main(["--quick", "--parts", "matmul,loader", "--json", str(tmp_path / "bench.json")])
+    out, err = capsys.readouterr()
+    parts = [line.split()[0] for line in out.splitlines()[2:]]  # the table's rows: every result
+    assert parts[0] == "matmul" and set(parts[1:]) == {"loader"}
+    assert err.count("warning: could not write") == len(parts)  # once after each result
+
+
 def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, capsys):
     missing_device = "mps" if torch.cuda.is_available() else "cuda"
     cases = [(["--n_head", "3", "--n_embd", "64"], "--n_embd 64 is not divisible by --n_head 3"),

@@ -287,6 +287,19 @@ def test_cli_scores_local_data_and_writes_json(tiny, examples, tmp_path):
     assert f"acc_norm {result['acc_norm']:.4f} ({expected['correct_norm']}/4)" in proc.stdout
 
 
+def test_cli_whose_json_cannot_be_written_after_scoring_says_so_in_one_line(tiny, examples, tmp_path, monkeypatch,
+                                                                           capsys):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hellaswag, "atomic_open", disk_full)
+    out = tmp_path / "result.json"
+    with pytest.raises(SystemExit) as e:
+        hellaswag.main(["-m", save_train_checkpoint(tiny, tmp_path / "ckpt.pt"), "--data",
+                        write_jsonl(tmp_path / "mini.jsonl", EXAMPLES), "--json", str(out), "--device", "cpu"])
+    assert e.value.code == f"hellaswag.py: error: --json {out}: cannot write it (No space left on device); the result is above"
+    assert "acc_norm" in capsys.readouterr().out and not out.exists()
+
+
 def one_line_error(proc):
     assert proc.returncode != 0
     [line] = proc.stderr.strip().splitlines()
