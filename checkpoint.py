@@ -86,9 +86,11 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        unsafe = re.search(r"GLOBAL (\S+)", str(e))
-        raise CheckpointError(f"{path}: refused: not a plain-data checkpoint (it would construct "
-                              f"{unsafe.group(1) if unsafe else 'an arbitrary object'}); nothing in it was run") from None
+        unsafe = re.search(r"GLOBAL (\S+)", str(e))  # a pickle that would build an object: code can hide there
+        if unsafe:
+            raise CheckpointError(f"{path}: refused: not a plain-data checkpoint (it would construct "
+                                  f"{unsafe.group(1)}); nothing in it was run") from None
+        raise CheckpointError(f"{path}: not a checkpoint (no file that torch.save writes); nothing in it was run") from None
     except Exception as e:  # truncated, overwritten, not a torch file at all
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {detail})") from None

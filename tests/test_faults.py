@@ -383,3 +383,7 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
     torch.save(state, wrong_shape)
     with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint of this GPT"):
         checkpoint.load_model(str(wrong_shape))
+    text = tmp_path / "hellaswag.jsonl"  # a file given in the wrong place: not taken for a malicious pickle
+    text.write_text('{"ctx": "A man", "label": 0}\n')
+    with pytest.raises(checkpoint.CheckpointError, match=r": not a checkpoint \(no file that torch.save writes\)"):
+        checkpoint.load_model(str(text))
