@@ -126,7 +126,8 @@ class ShardLoader:
         self.n_windows = (self.n_tokens - 1) // (B * T)
         self.batches_per_epoch = self.n_windows // world_size
         if self.batches_per_epoch == 0:
-            raise ShardError(f"{len(paths)} shard(s) hold {self.n_tokens} tokens: too few for one "
+            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+            raise ShardError(f"{paths[0]}{more}: {self.n_tokens} tokens, too few for one "
                              f"batch of B*T = {B * T} tokens on each of {world_size} rank(s)")
         self.epoch, self.index = 0, 0
         self._plan_epoch()

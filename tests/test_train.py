@@ -363,6 +363,12 @@ def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_l
     assert message.startswith(f"error: --log_dir {tmp_path / 'file' / 'log'}: cannot make it")
 
 
+def test_val_shards_too_small_for_one_batch_are_named(tmp_path):
+    val = write_token_shards(tmp_path, n_val=100)[0]
+    message = one_line_error(run_cli("--data_dir", tmp_path, "--log_dir", tmp_path / "log", "-B", "8"))
+    assert message == f"error: {val}: 100 tokens, too few for one batch of B*T = 256 tokens on each of 1 rank(s)"
+
+
 def test_resume_with_another_architecture_is_refused(shards, tmp_path):
     train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "2")
     message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4",
