@@ -1,7 +1,7 @@
 """HellaSwag, scored completion style: which of four endings does the model find likeliest?
 
     python hellaswag.py -m gpt2                      # downloads the val split to hellaswag/
-    python hellaswag.py -m log/ckpt_019072.pt --json out.json
+    python hellaswag.py -m log/ckpt_019073.pt --json out.json
     python hellaswag.py -m gpt2 --data hellaswag_val.jsonl   # a local copy, no network
 
 For each example the model reads context + ending, once per ending. The cross-entropy of

@@ -55,17 +55,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser():
-    p = OneLineParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser(add_help=True):
+    p = OneLineParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
     a = p.add_argument
     a("--preset", default="gpt2", choices=PRESETS, help="a named recipe whose values become the defaults")
     a("--data_dir", default="edu_fineweb10B", help="directory of *_train_*.npy and *_val_*.npy shards")
     a("--log_dir", default="log", help="log.jsonl and checkpoints go here")
     a("--init_from", default="scratch", choices=["scratch", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
       help="random init, or OpenAI's weights (their architecture overrides the model flags)")
-    a("--n_layer", type=int, default=12)
-    a("--n_head", type=int, default=12)
-    a("--n_embd", type=int, default=768)
+    a("--n_layer", type=int, default=12, help="transformer blocks")
+    a("--n_head", type=int, default=12, help="attention heads per block")
+    a("--n_embd", type=int, default=768, help="width of the residual stream")
     a("--block_size", type=int, default=1024, help="context length of the model")
     a("--vocab_size", type=int, default=50304, help="embedding rows: GPT-2's 50257 padded to a multiple of 128")
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all ranks")
@@ -73,11 +73,11 @@ def build_parser():
     a("-T", "--seq_len", type=int, default=1024, help="tokens per sequence")
     a("--max_steps", type=int, default=19073,
       help="optimizer steps in the run (0: train nothing, evaluate the starting point and exit)")
-    a("--warmup_steps", type=int, default=715)
+    a("--warmup_steps", type=int, default=715, help="steps of linear lr warmup")
     a("--decay_steps", type=int, default=None, help="step at which the cosine reaches min lr (default: max_steps)")
-    a("--max_lr", type=float, default=6e-4)
+    a("--max_lr", type=float, default=6e-4, help="peak learning rate, reached after warmup")
     a("--min_lr_ratio", type=float, default=0.1, help="min lr as a fraction of max lr")
-    a("--weight_decay", type=float, default=0.1)
+    a("--weight_decay", type=float, default=0.1, help="AdamW weight decay of matrices and embeddings")
     a("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     a("--eval_interval", type=int, default=250, help="val loss and HellaSwag every N steps and at the end (0: never)")
     a("--val_steps", type=int, default=20, help="micro-batches per val loss")
@@ -88,18 +88,18 @@ def build_parser():
     a("--checkpoint_interval", type=int, default=5000, help="checkpoint every N steps and at the end (0: only at the end)")
     a("--keep_last", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
-    a("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    a("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, else mps, else cpu")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
       help="autocast dtype; auto: bfloat16 on CUDA from Ampere on, float16 with loss scaling before, else float32")
     a("--compile", default="auto", choices=["auto", "1", "0"], help="torch.compile the model; auto: on for CUDA")
-    a("--seed", type=int, default=1337)
+    a("--seed", type=int, default=1337, help="seeds the init, the data order and the samples")
     a("--shuffle", type=int, default=1, choices=[0, 1],
       help="from the second epoch on, permute the shards and the windows within them (the first is in file order)")
     a("--check_data", default="quick", choices=["quick", "full"],
       help="before training, check every shard's header and token ids: quick samples the ids, full reads them all")
     a("--max_bad_steps", type=int, default=5, help="stop after this many non-finite steps in a row")
     a("--wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
-    a("--wandb_project", default="gpt2-reproduction")
+    a("--wandb_project", default="gpt2-reproduction", help="the wandb project of --wandb")
     a("--tensorboard", action="store_true", help="also log to TensorBoard, in log_dir/tensorboard (needs tensorboard)")
     a("--fault", action="append", type=parse_fault, default=None, metavar="KIND@STEP[:RANK]",
       help="for testing recovery: nan (poison the loss), sigterm or sigkill (signal itself) at STEP, on RANK or all")
@@ -115,9 +115,10 @@ def parse_fault(spec):
 
 
 def parse_args(argv=None):
+    # A preset's values become defaults, so flags given on the command line still win, and
+    # --help shows them. The preset is read first, by a parser that leaves --help for later.
+    preset = build_parser(add_help=False).parse_known_args(argv)[0].preset
     parser = build_parser()
-    # A preset's values become defaults, so flags given on the command line still win.
-    preset = parser.parse_known_args(argv)[0].preset
     parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
     if args.decay_steps is None:

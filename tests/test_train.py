@@ -54,6 +54,15 @@ def assert_same_run(a, b, rel=1e-5):
     assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=100 * rel)
 
 
+def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt2.parse_args(["--preset", "demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--log_dir LOG_DIR log.jsonl and checkpoints go here (default: log_demo)" in help_text
+    flags = [a for a in train_gpt2.build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in flags if not a.help] == []
+
+
 def test_lr_schedule_is_gpt2s():
     args = train_gpt2.parse_args([])
     assert train_gpt2.get_lr(0, args) == pytest.approx(6e-4 / 715)
