@@ -1,7 +1,7 @@
 """The token-shard format and the loader that reads it.
 
-A shard is a 1-D uint16 numpy array saved with np.save as
-`{prefix}_{split}_{index:06d}.npy`, the format of build-nanogpt's fineweb.py: shard 0
+A shard is a 1-D uint16 numpy array in a .npy file (np.save's format) named
+`{prefix}_{split}_{index:06d}.npy`, as in build-nanogpt's fineweb.py: shard 0
 is `val`, every later one `train`. fineweb.py writes them; train_gpt2.py reads them.
 """
 import glob
@@ -31,12 +31,21 @@ def split_of(index):
 
 
 def write_shard(path, tokens):
-    """Saves tokens as a shard atomically: a crash leaves the old file or none, never half a shard."""
+    """Saves tokens as a shard atomically: a crash leaves the old file or none, never half a shard.
+    A failed write (a full disk, a quota) raises OSError naming the shard and the cause."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(SHARD_DTYPE).max):
         raise ValueError(f"{path}: token id {tokens.max()} does not fit in uint16")
-    with atomic_open(path) as f:
-        np.save(f, tokens.astype(SHARD_DTYPE, copy=False))
+    tokens = tokens.astype(SHARD_DTYPE, order="C", copy=False)
+    try:
+        with atomic_open(path) as f:
+            # np.save's bytes, but written by Python's file rather than numpy's tofile: on a full
+            # disk tofile raises "N requested and M written", without the errno, or when the
+            # shard fits in its stdio buffer, nothing at all, leaving the shard truncated.
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(tokens))
+            f.write(tokens.data)
+    except OSError as e:
+        raise OSError(f"{path}: cannot write the shard ({e.strerror or e})") from e
 
 
 def list_shards(data_dir, split):

@@ -40,6 +40,7 @@ MANIFEST = "fineweb_manifest.json"
 FRESH = {"shards": 0, "document": 0, "skip": 0, "complete": False}  # a manifest's progress before the first shard
 CHUNK_CHARS = 1 << 20  # text per worker task: ~250K tokens, ~0.1 s of encoding, so sending it costs little
 MAX_ID = int(np.iinfo(SHARD_DTYPE).max)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what SLURM and Kubernetes send to preempt a job
 
 
 class InputError(ValueError):
@@ -84,9 +85,11 @@ def chunk_documents(documents, chunk_chars):
         yield texts, origins
 
 
-def ignore_sigint():
-    """Worker initializer: Ctrl-C is the main process's to handle (it keeps the finished shards)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def ignore_stop_signals():
+    """Worker initializer: Ctrl-C and SIGTERM, which a terminal or a scheduler sends to every
+    process, are the main process's to handle (it keeps the finished shards and shuts the pool down)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -112,7 +115,7 @@ def tokenize_chunks(chunks, num_proc):
                 tokens = encode_texts(texts)
             yield origins, tokens
         return
-    pool = ProcessPoolExecutor(num_proc, initializer=ignore_sigint)
+    pool = ProcessPoolExecutor(num_proc, initializer=ignore_stop_signals)
     try:
         pending = collections.deque()
         for texts, origins in chunks:
@@ -498,6 +501,21 @@ def parse_args(argv):
     return args
 
 
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """Within it SIGTERM raises KeyboardInterrupt, as Ctrl-C does: its default, dying at once,
+    would leave the pool's workers running, orphaned."""
+    previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     """The command line; returns the exit status."""
     try:
@@ -507,15 +525,16 @@ def main(argv=None):
     common = dict(output_dir=args.output_dir, prefix=args.prefix, shard_size=args.shard_size,
                   num_proc=args.num_proc, text_field=args.text_field, progress=True)
     try:
-        if args.input:
-            summary = shard_local_files(args.input, **common)
-        else:
-            summary = shard_hub_dataset(dataset=args.dataset, name=args.name, split=args.split,
-                                        streaming=args.streaming, **common)
+        with sigterm_as_ctrl_c():
+            if args.input:
+                summary = shard_local_files(args.input, **common)
+            else:
+                summary = shard_hub_dataset(dataset=args.dataset, name=args.name, split=args.split,
+                                            streaming=args.streaming, **common)
     except (InputError, OSError) as e:  # OSError: writing failed; the finished shards stay, resumable
         print(f"fineweb.py: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         print("fineweb.py: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     rate = "" if summary["tokens_per_s"] is None else f", {summary['tokens_per_s']:,.0f} tokens/s"

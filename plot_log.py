@@ -84,14 +84,14 @@ def load_run(path):
     records = read_log(log_file)
     if not records:
         sys.exit(f"error: {log_file}: no records (an empty log)")
-    # Tokens per step is fixed by the batch size; one value means a step axis maps onto tokens.
-    per_step = {r["tokens"] / r["step"] for r in records if r["step"] > 0}
     return dict(
         label=label,
         **{name: series(records, key) for name, key in SERIES.items()},
         steps=max(r["step"] for r in records),
         tokens=max(r["tokens"] for r in records),
-        tokens_per_step=per_step.pop() if len(per_step) == 1 else None,
+        # The values the records imply: one, fixed by the batch size, or none in a run logged at
+        # step 0 only (an evaluation), which fits a tokens axis of any scale.
+        tokens_per_step={r["tokens"] / r["step"] for r in records if r["step"] > 0},
     )
 
 
@@ -158,10 +158,10 @@ def plot(runs, out, image_format, x):
 def tokens_axis(runs, x, axes):
     """Labels the x axes in steps, with tokens along the top, or in tokens. Tokens along the
     top of a step axis need every run to train on the same number of tokens per step."""
-    per_step = {run["tokens_per_step"] for run in runs}
-    common = per_step.pop() if len(per_step) == 1 else None
-    if x == "step" and not common:
+    per_step = set().union(*(run["tokens_per_step"] for run in runs))
+    if x == "step" and len(per_step) > 1:
         print("note: the runs differ in tokens per step, so there is no tokens axis (try --x tokens)", file=sys.stderr)
+    common = per_step.pop() if len(per_step) == 1 else None
     tokens_format = FuncFormatter(lambda t, _: human(t, "g"))
     for ax in axes:
         ax.set_xlabel(x)

@@ -1,7 +1,10 @@
 """fineweb.py: the shard stream, the input formats, start methods, bad input, interrupted runs."""
+import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -258,14 +261,58 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
     assert all(Shard(str(out / n)).n_tokens == 1000 for n in names if n.endswith(".npy"))
     manifest = json.loads((out / fineweb.MANIFEST).read_text())
     assert manifest["shards"] == 2 and not manifest["complete"]
+    check_rerun_matches_an_uninterrupted_run(args, corpus, out, 1000, docs)
 
+
+def check_rerun_matches_an_uninterrupted_run(args, corpus, out, shard_size, docs):
+    """Reruns the command line args of a stopped run: it resumes, and its output directory ends
+    byte for byte as an uninterrupted run's, with no temporary file left."""
     resumed = run_cli(*args)
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
-    fineweb.shard_local_files(corpus, str(tmp_path / "clean"), "edufineweb", 1000)
-    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "clean"))  # the temporary file is gone
+    clean = out.parent / "clean"
+    fineweb.shard_local_files(corpus, str(clean), "edufineweb", shard_size)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
     for name in os.listdir(out):
-        assert (out / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
-    check_shards(out, "edufineweb", 1000, docs)
+        assert (out / name).read_bytes() == (clean / name).read_bytes()
+    check_shards(out, "edufineweb", shard_size, docs)
+
+
+DISK_FULL_AT_THIRD_SHARD = """
+import resource, signal, sys
+sys.path.insert(0, {repo!r})
+import fineweb
+
+written, real_write_shard = 0, fineweb.write_shard
+
+def write_shard(path, tokens):  # from shard 2 on, a file can grow to 1000 bytes only, as on a full disk
+    global written
+    written += 1
+    if written == 3:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG), not the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    real_write_shard(path, tokens)
+
+fineweb.write_shard = write_shard
+sys.exit(fineweb.main(sys.argv[1:]))
+"""
+
+
+# Shards under and over stdio's 4 KB buffer: numpy's tofile left the small one truncated without
+# an error, and said only "5000 requested and 436 written" of the large one.
+@pytest.mark.parametrize("shard_size", [1000, 5000])
+def test_a_full_disk_is_one_line_naming_the_shard_and_the_rerun_resumes(tmp_path, shard_size):
+    docs = shakespeare_speeches(60_000)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    (tmp_path / "fill.py").write_text(DISK_FULL_AT_THIRD_SHARD.format(repo=REPO))
+    out = tmp_path / "out"
+    args = ["--input", corpus, "--output_dir", out, "--shard_size", shard_size, "--num_proc", 1]
+    failed = run_cli(*args, script=str(tmp_path / "fill.py"))
+    shard = out / "edufineweb_train_000002.npy"
+    one_line_error(failed, f"{shard}: cannot write the shard ({os.strerror(errno.EFBIG)})")
+    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
+                                              "edufineweb_train_000001.npy"])  # no temporary file
+    assert json.loads((out / fineweb.MANIFEST).read_text())["shards"] == 2
+    check_rerun_matches_an_uninterrupted_run(args, corpus, out, shard_size, docs)
 
 
 def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch, capsys):
@@ -291,6 +338,64 @@ def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch
     summary = fineweb.shard_local_files(corpus, str(tmp_path / "out"), "edufineweb", 500)
     assert summary["status"] == "resumed" and summary["documents"] == len(docs)
     check_shards(tmp_path / "out", "edufineweb", 500, docs)
+
+
+STOP_AT_THIRD_SHARD = """
+import multiprocessing, os, signal, sys
+sys.path.insert(0, {repo!r})
+import fineweb
+
+signum, to_group, written, real_write_shard = int(sys.argv[1]), sys.argv[2] == "group", 0, fineweb.write_shard
+
+def write_shard(path, tokens):  # signals the run as shard 2 is about to be written, after printing the workers' ids
+    global written
+    written += 1
+    if written == 3:
+        print(*(child.pid for child in multiprocessing.active_children()), flush=True)
+        if to_group:
+            os.killpg(0, signum)
+        else:
+            os.kill(os.getpid(), signum)
+    real_write_shard(path, tokens)
+
+fineweb.write_shard = write_shard
+sys.exit(fineweb.main(sys.argv[3:]))
+"""
+
+
+def running(pid):
+    """Whether process pid runs: a zombie has ended, whether or not its parent reaped it yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"  # the state follows the command's name
+    except FileNotFoundError:
+        return False
+
+
+# Ctrl-C on a terminal and a scheduler's SIGTERM reach every process of the run; `kill`, or
+# Kubernetes, signal only the main process, whose workers used to live on, orphaned.
+@pytest.mark.parametrize("signum,to", [(signal.SIGINT, "group"), (signal.SIGTERM, "group"),
+                                       (signal.SIGTERM, "process")])
+def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path, signum, to):
+    docs = shakespeare_speeches(30_000)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    (tmp_path / "stop.py").write_text(STOP_AT_THIRD_SHARD.format(repo=REPO))
+    out = tmp_path / "out"
+    args = ["--input", corpus, "--output_dir", out, "--shard_size", 1000, "--num_proc", 2]
+    # Output to files, not pipes: an orphaned worker would hold a pipe open, and reading it to its end would hang.
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        stopped = subprocess.run([sys.executable, tmp_path / "stop.py", str(int(signum)), to, *map(str, args)],
+                                 stdout=stdout, stderr=stderr, start_new_session=True, timeout=300)
+    workers = [int(pid) for pid in (tmp_path / "stdout").read_text().split()]
+    survivors = [pid for pid in workers if running(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not survivors
+    assert stopped.returncode == 130
+    assert (tmp_path / "stderr").read_text() == "fineweb.py: interrupted; rerun the same command to resume\n"
+    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
+                                              "edufineweb_train_000001.npy"])  # no temporary file
+    check_rerun_matches_an_uninterrupted_run(args, corpus, out, 1000, docs)
 
 
 def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):

@@ -12,20 +12,20 @@ import plot_log  # noqa: E402  (after the skip: it needs matplotlib)
 TOKENS_PER_STEP = 524288
 
 
-def write_log(path, steps, best_val, best_hellaswag):
+def write_log(path, steps, best_val, best_hellaswag, tokens_per_step=TOKENS_PER_STEP):
     """A synthetic log.jsonl: a falling train loss every step, val loss and HellaSwag every
     10 steps, with the best values at known steps."""
     path.mkdir()
     lines = []
     for step in range(steps + 1):
-        common = dict(step=step, tokens=step * TOKENS_PER_STEP)
+        common = dict(step=step, tokens=step * tokens_per_step)
         lines.append(dict(common, train_loss=10.9 - 7 * step / steps, lr=6e-4, grad_norm=1.0, dt_ms=100.0,
                           tokens_per_sec=5e6))
         if step % 10 == 0:
             lines.append(dict(common, val_loss=best_val + (steps - step) / steps))
             lines.append(dict(common, hellaswag_acc_norm=best_hellaswag - (steps - step) / 1000,
                               hellaswag_acc=0.25, hellaswag_n=10042))
-    lines.append(dict(step=steps, tokens=steps * TOKENS_PER_STEP, samples=["Hello, I'm a language model, and"]))
+    lines.append(dict(step=steps, tokens=steps * tokens_per_step, samples=["Hello, I'm a language model, and"]))
     (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -119,3 +119,17 @@ def test_a_record_whose_value_is_not_a_number_is_skipped(tmp_path, capsys):
         f"warning: {log}:3: skipping a record whose val_loss is NaN, not a finite number",
         f'warning: {log}:4: skipping a record whose step is "30", not a finite number',
     ]
+
+
+def test_the_tokens_per_step_note_only_for_runs_that_differ(tmp_path, capsys):
+    write_log(tmp_path / "run", 20, best_val=3.1, best_hellaswag=0.31)
+    write_log(tmp_path / "half_batch", 20, best_val=3.2, best_hellaswag=0.30, tokens_per_step=TOKENS_PER_STEP // 2)
+    # An evaluation-only run (--max_steps 0) logs at step 0 only: it fits any tokens per step.
+    (tmp_path / "eval_only").mkdir()
+    (tmp_path / "eval_only" / "log.jsonl").write_text(
+        '{"step": 0, "tokens": 0, "val_loss": 3.2924}\n'
+        '{"step": 0, "tokens": 0, "hellaswag_acc_norm": 0.2955, "hellaswag_acc": 0.2892, "hellaswag_n": 10042}\n')
+    note = "note: the runs differ in tokens per step, so there is no tokens axis (try --x tokens)\n"
+    for runs, expected in ((["eval_only"], ""), (["eval_only", "run"], ""), (["run", "half_batch"], note)):
+        plot_log.main([str(tmp_path / run) for run in runs] + ["-o", str(tmp_path / "x.png")])
+        assert capsys.readouterr().err == expected, runs
