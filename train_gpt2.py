@@ -239,7 +239,7 @@ def ensure_demo_shards(args, rank, log):
         try:
             summary = fineweb.shard_local_files([TINY_SHAKESPEARE], args.data_dir, prefix="shakespeare",
                                                 shard_size=32768, num_proc=1)
-        except fineweb.InputError as e:
+        except (fineweb.InputError, OSError) as e:  # OSError: a shard that cannot be written
             raise RunError(str(e)) from None
         if summary["status"] != "already complete":
             log(f"sharded {TINY_SHAKESPEARE} into {summary['shards']} shards in {args.data_dir}")

@@ -83,6 +83,19 @@ def test_defaults_are_the_gpt2_124m_recipe():
     assert demo.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
 
 
+def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, monkeypatch, capsys):
+    import fineweb
+
+    def disk_full(path, tokens):
+        raise OSError(f"{path}: cannot write the shard (No space left on device)")
+    monkeypatch.setattr(fineweb, "write_shard", disk_full)
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.main(["--preset", "demo", "--data_dir", str(tmp_path / "data"), "--log_dir", str(tmp_path / "log")])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'data' / 'shakespeare_val_000000.npy'}: "
+                                       f"cannot write the shard (No space left on device)\n")
+
+
 def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, capsys):
     data_dir = tmp_path / "shakespeare"
     train_gpt2.main(["--preset", "demo", "--data_dir", str(data_dir), "--log_dir", str(tmp_path / "log"),
