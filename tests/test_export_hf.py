@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipeline
 
 import export_hf
+from checkpoint import load_model
 from conftest import make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT
 from tokenizer import EOT, N_VOCAB, get_encoding
@@ -19,6 +20,8 @@ TRICKY = [
     "3.14159 1,000,000 2024-01-01 12345678901234567890 -0.5e-10",
     "ünïcödé, 日本語, emoji 🤖🎉, Ελληνικά, Привет, \u00a0non-breaking",
     "punctuation !!! ??? ... ,,, ;-) \"quoted\" (paren) [x] {y} #tag @user",
+    # Contractions are case-sensitive; byte 0xAD (in í, 中, the soft hyphen) is one GPT-2 remaps.
+    "O'Sullivan'S 'SUP, aquí 中文 soft\u00adhyphen",
 ]
 
 
@@ -39,6 +42,9 @@ def test_export_gives_our_logits_with_the_vocabulary_unpadded(padded):
     model, _, out = padded
     assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json"} <= set(os.listdir(out))
     assert sorted(os.listdir(os.path.dirname(out))) == ["ckpt_000010.pt", "hf"]  # no temporary left over
+    assert os.stat(out).st_mode & 0o777 == 0o755
+    assert all(os.stat(os.path.join(out, f)).st_mode & 0o777 == 0o644 for f in os.listdir(out))
+    assert AutoTokenizer.from_pretrained(out).model_max_length == 64  # the block size
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     assert hf.config.vocab_size == N_VOCAB and hf.lm_head.weight.shape == (N_VOCAB, 32)
     idx = torch.randint(0, N_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -127,3 +133,41 @@ def test_bad_inputs_are_one_line_errors_and_leave_nothing(padded, tmp_path, monk
     assert os.listdir(out) == ["keep.txt"]
     export_hf.main([ckpt, str(out), "--force"])
     assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+def test_export_loads_back_into_our_model(padded):
+    model, _, out = padded
+    back = load_model(out).eval()
+    idx = torch.randint(0, N_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (back(idx)[0] - model(idx)[0]).abs().max() < 1e-5
+
+
+def test_forced_export_that_fails_leaves_the_old_directory(padded, tmp_path, monkeypatch):
+    _, ckpt, _ = padded
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    def mismatch(model, out_dir):
+        raise RuntimeError("the exported model's logits differ from the source's by 1.00e+00")
+    monkeypatch.setattr(export_hf, "check_export", mismatch)
+    assert "logits differ" in error_of([ckpt, str(out), "--force"])
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["keep.txt"]
+
+
+def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, monkeypatch):
+    _, ckpt, _ = padded
+    # An activation other than GPT-2's: the weights load, the logits differ.
+    gpt2_config = export_hf.hf_config
+    def relu_config(config):
+        hf = gpt2_config(config)
+        hf.activation_function = "relu"
+        return hf
+    monkeypatch.setattr(export_hf, "hf_config", relu_config)
+    assert "logits differ from the source's" in error_of([ckpt, str(tmp_path / "a")])
+    monkeypatch.undo()
+    # A tokenizer without GPT-2's first merge ("Ġ t"): " to" no longer becomes one token.
+    vocab, merges = export_hf.gpt2_vocab_and_merges()
+    monkeypatch.setattr(export_hf, "gpt2_vocab_and_merges", lambda: (vocab, merges[1:]))
+    assert "tokenizer disagrees with tiktoken" in error_of([ckpt, str(tmp_path / "b")])
+    assert os.listdir(tmp_path) == []

@@ -179,6 +179,8 @@ def test_sum_and_mean_pick_as_defined():
     # Label 0 is right by the sum only, label 1 by the mean only.
     assert evaluate(model, examples[:1], "cpu") == {"n": 1, "correct": 1, "correct_norm": 0}
     assert evaluate(model, examples[1:], "cpu") == {"n": 1, "correct": 0, "correct_norm": 1}
+    # Over several batches (rows go longest first, so both examples finish in the last one).
+    assert evaluate(model, examples, "cpu", batch_size=1) == {"n": 2, "correct": 1, "correct_norm": 1}
 
 
 def test_rank_shares_add_up_to_the_whole(tiny, examples):
@@ -336,3 +338,34 @@ def test_cli_without_network_or_data_fails_in_one_line(tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("hellaswag.py: error: could not download") and "--data" in line
     assert not os.path.exists(tmp_path / "empty" / "hellaswag_val.jsonl")
+
+
+def test_an_ending_fits_with_one_context_token_and_no_fewer():
+    def words(n):
+        return " ".join(["word"] * n)  # " word" is one token
+    rows = hellaswag.example_rows(dict(EXAMPLES[0], endings=[words(16)] * 4), 16)
+    assert all(len(tokens) == 17 and start == 1 for tokens, start in rows)
+    with pytest.raises(ValueError, match="an ending of 17 tokens does not fit block_size 16"):
+        hellaswag.example_rows(dict(EXAMPLES[0], endings=[words(17)] * 4), 16)
+
+
+def test_cli_acc_is_by_the_sum_and_acc_norm_by_the_mean(tmp_path, capsys):
+    # The case of test_sum_and_mean_pick_as_defined: ending 0 has the lowest sum, ending 1 the lowest mean.
+    enc = get_encoding()
+    endings = ["slept", "ate some fish quickly", "ran away from home", "purred"]
+    token_logits = torch.zeros(N_VOCAB)
+    token_logits[enc.encode_ordinary(" " + endings[1])] = torch.tensor([6.0, 5.0, 6.5, 5.5])
+    token_logits[enc.encode_ordinary(" " + endings[3])[0]] = 3.0
+    ckpt = save_train_checkpoint(unigram_model(token_logits), tmp_path / "ckpt.pt")
+    example = {"ctx": "The cat sat on the mat. The cat", "endings": endings}
+    data = write_jsonl(tmp_path / "data.jsonl", [dict(example, label=0)] * 3 + [dict(example, label=1)])
+    hellaswag.main(["-m", ckpt, "--data", data, "--json", str(tmp_path / "out.json"), "--device", "cpu"])
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert (result["correct"], result["correct_norm"], result["acc"], result["acc_norm"]) == (3, 1, 0.75, 0.25)
+    assert "acc 0.7500 (3/4), acc_norm 0.2500 (1/4)" in capsys.readouterr().out
+
+
+def test_blank_lines_are_skipped(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n" + json.dumps(EXAMPLES[0]) + "\n\n" + json.dumps(EXAMPLES[1]) + "\n  \n", encoding="utf-8")
+    assert [e["label"] for e in read_examples(str(path))] == [2, 0]

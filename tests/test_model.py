@@ -198,3 +198,76 @@ def test_tokenizer_gives_gpt2_ids():
     assert enc.decode(ids) == text
     assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT]
     assert enc.n_vocab == N_VOCAB == 50257
+
+
+def test_truncation_keeps_the_nucleus_of_the_top_k_in_any_id_order():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()  # ids by likelihood: 1, 3, 0, 2 (not sorted)
+
+    def kept(**kw):
+        out = truncate_logits(logits, **kw)
+        assert torch.equal(out[out.isfinite()], logits[out.isfinite()])  # kept logits unchanged
+        return out[0].isfinite().nonzero().flatten().tolist()
+
+    assert kept(top_k=2) == [1, 3] and kept(top_k=10) == [0, 1, 2, 3]  # top_k beyond the vocabulary keeps all
+    assert kept(top_p=0.7) == [1, 3] and kept(top_p=0.85) == [0, 1, 3]
+    # The nucleus is of the top_k, renormalized (as in Hugging Face): of 0.5, 0.3, 0.15 the
+    # first two hold 0.84 > 0.83 (of all four ids they would hold only 0.8).
+    assert kept(top_k=3, top_p=0.83) == [1, 3]
+
+
+def test_temperature_divides_the_logits_before_the_nucleus():
+    # Temperature 2 flattens p = 0.15, 0.5, 0.05, 0.3 to sqrt(p) / sum = 0.207, 0.379, 0.120, 0.294,
+    # whose 0.7 nucleus is ids 1, 3 and 0 (untempered it is ids 1 and 3 only).
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log().repeat(4000, 1)
+    picked = sample_next_token(logits, temperature=2.0, top_p=0.7, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(picked.flatten(), minlength=4) / 4000
+    expected = torch.tensor([0.207, 0.379, 0.0, 0.294]) / 0.880
+    assert freq[2] == 0 and (freq - expected).abs().max() < 0.03
+
+
+def test_flops_per_token_is_palms(gpt2_124m):
+    # 6 * (parameters less wpe's 1024 x 768) + 12 * layers * heads * head_size * T
+    assert gpt2_124m.flops_per_token(1024) == 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 12 * 64 * 1024
+
+
+@pytest.mark.parametrize("field, value", [("activation_function", "gelu_pytorch_tanh"), ("n_inner", 128)])
+def test_from_pretrained_accepts_gpt2s_maths_spelled_otherwise(tmp_path, field, value):
+    hf = make_hf_gpt2(**{field: value})  # n_embd 32: n_inner 128 is GPT-2's 4 * n_embd
+    hf.save_pretrained(tmp_path)
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (GPT.from_pretrained(str(tmp_path))(idx)[0] - hf(idx).logits).abs().max() < 1e-4
+
+
+def test_a_target_of_minus_1_is_left_out_of_the_loss():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    idx = torch.randint(0, 128, (2, 8))
+    targets = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        logits, loss = model(idx, targets.masked_fill(torch.arange(8) < 3, -1))
+    assert torch.allclose(loss, F.cross_entropy(logits[:, 3:].flatten(0, 1), targets[:, 3:].flatten()))
+
+
+def test_dropout_is_off_in_eval_mode():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, dropout=0.5)).eval()
+    plain = GPT(GPTConfig(**TINY)).eval()
+    plain.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], plain(idx)[0])
+
+
+def test_kv_cache_sampling_equals_cache_free_past_the_window():
+    # Greedy decoding of a tiny model soon repeats one token whatever the window holds;
+    # sampling does not, so a window that slides wrong (a position short, a stale cache) shows.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    prompt = torch.randint(0, 128, (2, 5))
+    idx, generator = prompt, torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(40):  # 45 tokens on a block of 32
+            logits, _ = model(idx[:, -32:])
+            idx = torch.cat([idx, sample_next_token(logits[:, -1], generator=generator)], dim=1)
+    assert torch.equal(model.generate(prompt, 40, top_k=None, generator=torch.Generator().manual_seed(0)), idx)

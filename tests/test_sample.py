@@ -85,6 +85,7 @@ def test_streaming_holds_back_partial_characters():
     # Bytes that never complete a character come out as U+FFFD, as from enc.decode.
     robot = enc.encode_ordinary("🤖")
     assert "".join(sample.detokenize(robot[:1] + enc.encode_ordinary("a"), enc)) == enc.decode(robot[:1] + [64])
+    assert "".join(sample.detokenize(robot[:1], enc)) == enc.decode(robot[:1]) == "\ufffd"  # cut off at the end
 
 
 def is_utf8(b):
@@ -111,3 +112,28 @@ def test_bad_flags_are_one_line_errors(flags, message):
     with pytest.raises(SystemExit) as e:
         sample.main(flags)
     assert e.value.code.startswith(message) and "\n" not in e.value.code
+
+
+def test_temperature_and_top_p_reach_the_sampler(padded, capsys):
+    model, ckpt = padded
+    sample.main(["--model", ckpt, "--prompt", PROMPT, "--num_samples", "1", "--max_new_tokens", "8", "--top_k", "0",
+                 "--temperature", "0.5", "--top_p", "0.5", "--seed", "3", "--device", "cpu"])
+    expected = expected_output(model, PROMPT, 1, 8, torch.Generator().manual_seed(3),
+                               temperature=0.5, top_k=None, top_p=0.5)
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("prompt", ["", "<|endoftext|>"])
+def test_an_empty_prompt_starts_a_document_like_endoftext(padded, prompt, capsys):
+    model, ckpt = padded
+    sample.main(["--model", ckpt, "--prompt", prompt, "--num_samples", "1", "--max_new_tokens", "8",
+                 "--temperature", "0", "--device", "cpu"])
+    new = model.generate(torch.tensor([[EOT]]), 8, temperature=0)[0, 1:].tolist()
+    assert capsys.readouterr().out == prompt + get_encoding().decode(new) + "\n"
+
+
+def test_a_model_without_gpt2s_vocabulary_is_a_one_line_error(tmp_path):
+    ckpt = save_as_checkpoint(make_tiny_gpt(vocab_size=128), tmp_path / "small.pt")
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--model", ckpt, "--device", "cpu"])
+    assert e.value.code == f"error: {ckpt}: vocab_size 128 is smaller than GPT-2's 50257 tokens"
