@@ -516,3 +516,22 @@ def test_cli_values_and_flag_combinations(capsys):
         (fineweb.FINEWEB_EDU, "sample-100BT", "train", "edu_fineweb100B", "edufineweb", 100_000_000)
     args = fineweb.parse_args(["--shard_size", "1_000"])
     assert (args.name, args.output_dir, args.shard_size) == ("sample-10BT", "edu_fineweb10B", 1000) and args.num_proc >= 1
+
+
+def test_blank_lines_in_jsonl_are_skipped(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_jsonl(corpus, DOCS[:3])
+    lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
+    corpus.write_text("\n" + lines[0] + "\n  \n" + "".join(lines[1:]) + "\n", encoding="utf-8")
+    summary = fineweb.shard_local_files(str(corpus), str(tmp_path / "out"), "t", 7)
+    assert summary["documents"] == 3
+    check_shards(tmp_path / "out", "t", 7, DOCS[:3])
+
+
+def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    write_jsonl(hub / "part.jsonl", DOCS)
+    docs = list(fineweb.hub_documents(str(hub), None, "train", "text", False, skip=2))
+    assert docs == [(text, f"{hub} row {row}") for row, text in enumerate(DOCS) if row >= 2]

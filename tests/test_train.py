@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+import atomic
 import checkpoint
+import devices
 import train_gpt2
 from checkpoint import load_checkpoint
 from conftest import REPO, run_script, run_torchrun, save_as_checkpoint, write_token_shards
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES, write_jsonl
-from data import ShardLoader, list_shards, shard_name, write_shard
+from data import Shard, ShardError, ShardLoader, list_shards, shard_name, write_shard
 
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
         "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
@@ -247,12 +249,18 @@ def test_gradient_accumulation_equals_one_big_batch(shards, tmp_path):
 
 def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
     # Two micro-steps a step on both sides: the first under no_sync, gradients as bucket views.
-    single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4")
+    # Val: 2 micro-batches of 4x32 on one process, 2 of 2x32 on each of two ranks: the same 256 tokens.
+    evals = ["--eval_interval", "4", "--val_steps", "2"]
+    single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4", *evals)
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
-                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4")
+                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *evals)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world size 2" in result.stdout
-    assert_same_run(single, read_log(tmp_path / "ddp"))
+    ddp = read_log(tmp_path / "ddp")
+    assert_same_run(single, ddp)
+    val = [[(r["step"], r["val_loss"]) for r in log if "val_loss" in r] for log in (single, ddp)]
+    assert [step for step, _ in val[1]] == [0, 4]
+    assert [loss for _, loss in val[1]] == pytest.approx([loss for _, loss in val[0]], rel=1e-5)
     ddp_weights = final_weights(tmp_path / "ddp", 4)
     for key, tensor in final_weights(tmp_path / "single", 4).items():
         assert torch.allclose(tensor, ddp_weights[key], atol=1e-5), key
@@ -596,3 +604,191 @@ def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         assert peak_flops("cuda:0") == peak, name
     assert peak_flops("cpu") is None
+
+
+def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypatch):
+    """The lr each optimizer step runs at, in every param group, is get_lr(step)."""
+    stepped = []
+    real_step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        stepped.append([group["lr"] for group in self.param_groups])
+        return real_step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    flags = ["--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--warmup_steps", "2"]
+    records = train(shards, tmp_path, *flags)
+    args = train_gpt2.parse_args(TINY + flags)
+    expected = [train_gpt2.get_lr(step, args) for step in range(6)]
+    assert len(set(expected)) == 5  # warmup to max_lr at step 2, then cosine
+    assert [r["lr"] for r in train_records(records)] == pytest.approx(expected)
+    assert stepped == [pytest.approx([lr, lr]) for lr in expected]  # both groups: decayed and not
+
+
+def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_logged():
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def step(grad_clip, scaler):
+        model.zero_grad(set_to_none=True)
+        loss = model(x[:, :-1], x[:, 1:])[1]
+        scaler.scale(loss).backward()
+        optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
+        mean_loss, norm, stop = train_gpt2.agree_on_step(loss.detach(), False, model, optimizer, scaler, grad_clip)
+        assert mean_loss == pytest.approx(loss.item()) and stop is False
+        return norm, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    norm, grads = step(0, torch.amp.GradScaler("cpu", enabled=False))  # --grad_clip 0: no clipping
+    assert norm == pytest.approx(grads.norm().item(), rel=1e-5) and norm > 0
+    clipped_norm, clipped = step(norm / 4, torch.amp.GradScaler("cpu", enabled=False))
+    assert clipped_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping
+    assert torch.allclose(clipped, grads / 4, rtol=1e-4, atol=1e-9)
+    # Under fp16 loss scaling: unscaled first, then clipped; the norm is that of the true gradients.
+    scaled_norm, unscaled = step(norm / 4, torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert scaled_norm == pytest.approx(norm, rel=1e-4)
+    assert torch.allclose(unscaled, grads / 4, rtol=1e-4, atol=1e-9)
+
+
+def test_keep_last_keeps_the_newest_checkpoints(shards, tmp_path):
+    train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "8",
+          "--checkpoint_interval", "2", "--keep_last", "2")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "ckpt_000006.pt", "ckpt_000008.pt"]
+    assert load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
+
+
+def test_loader_resumes_by_tokens_read_under_another_world_size_or_batch(tmp_path):
+    one = stream_loader(tmp_path, [100, 100], B=2, T=4, world_size=1, rank=0)
+    for _ in range(6):  # 6 windows of 8 tokens: 48 tokens read
+        one.next_batch()
+    state = one.state_dict()
+    ranks = [stream_loader(tmp_path, [100, 100], B=2, T=4, world_size=2, rank=r) for r in range(2)]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    assert [int(loader.next_batch()[0][0, 0]) for loader in ranks] == [48, 56]
+    assert ranks[0].state_dict() == {"epoch": 0, "index": 4, "tokens_per_index": 16}
+    wider = stream_loader(tmp_path, [100, 100], B=4, T=4, world_size=1, rank=0)
+    wider.load_state_dict(state)
+    assert int(wider.next_batch()[0][0, 0]) == 48
+
+
+def test_ranks_leave_the_leftover_window_and_start_the_next_epoch_together(tmp_path):
+    B, T = 2, 4  # 57 tokens: 7 windows of 8; two ranks read 3 each, and window 6 is left over
+    loaders = [stream_loader(tmp_path, [57], B, T, world_size=2, rank=r) for r in range(2)]
+    assert [loader.batches_per_epoch for loader in loaders] == [3, 3]
+    firsts = [[int(loader.next_batch()[0][0, 0]) for _ in range(4)] for loader in loaders]
+    assert firsts == [[0, 16, 32, 0], [8, 24, 40, 8]]
+    assert [loader.epoch for loader in loaders] == [1, 1]
+
+
+def test_each_epoch_is_shuffled_anew(tmp_path):
+    loader = stream_loader(tmp_path, [96, 160, 64, 129], B=2, T=8, world_size=1, rank=0)
+    loader.shuffle = True
+    orders = []
+    for epoch in (1, 2, 3):
+        loader.load_state_dict({"epoch": epoch, "index": 0, "tokens_per_index": 16})
+        orders.append(epoch_windows(loader))
+    assert [len(order) for order in orders] == [28, 28, 28]
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+
+
+def test_a_token_id_equal_to_vocab_size_is_out_of_range(tmp_path):
+    path = str(tmp_path / shard_name("pos", "train", 1))
+    write_shard(path, np.r_[np.arange(100), 256, np.arange(100)])
+    Shard(path).check_ids(257)
+    with pytest.raises(ShardError, match="token id 256 at position 100 is >= vocab_size 256"):
+        Shard(path).check_ids(256)
+
+
+def test_the_loader_checks_the_ids_it_reads(tmp_path):
+    """A bad id the quick check sampled past stops training when a batch reaches it."""
+    path = str(tmp_path / shard_name("pos", "train", 1))
+    write_shard(path, np.r_[np.zeros(40), 999, np.zeros(40)])
+    loader = ShardLoader([path], B=2, T=8, shuffle=False, vocab_size=256)
+    loader.next_batch()  # tokens 0..16
+    loader.next_batch()  # 16..32
+    with pytest.raises(ShardError, match="token id 999 at position 40"):
+        loader.next_batch()  # 32..48
+
+
+def test_the_quick_check_reads_the_middle_and_the_end(tmp_path):
+    path = str(tmp_path / shard_name("pos", "train", 1))
+    for position in (150_000, 299_999):
+        tokens = np.zeros(300_000)
+        tokens[position] = 999
+        write_shard(path, tokens)
+        with pytest.raises(ShardError, match=f"at position {position} "):
+            Shard(path).check_ids(256)
+
+
+def test_write_shard_refuses_ids_outside_uint16(tmp_path):
+    path = str(tmp_path / "x_train_000001.npy")
+    for bad in ([1, 65536], [-1, 5]):
+        with pytest.raises(ValueError, match="does not fit in uint16"):
+            write_shard(path, np.array(bad))
+        assert not os.path.exists(path)
+    write_shard(path, np.array([0, 65535]))
+    assert np.load(path).tolist() == [0, 65535]
+
+
+def test_a_padded_shard_is_refused(tmp_path):
+    path = str(tmp_path / "x_train_000001.npy")
+    write_shard(path, np.arange(10))
+    with open(path, "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ShardError, match="truncated or padded"):
+        Shard(path)
+
+
+def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
+    records = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "5",
+                    "--max_bad_steps", "2", "--fault", "nan@1", "--fault", "nan@3")
+    assert [(r["step"], r["bad_steps"]) for r in records if r.get("skipped_step")] == [(1, 1), (3, 1)]
+    assert [r["step"] for r in train_records(records)] == [0, 2, 4]
+
+
+def test_a_plain_cuda_device_is_this_ranks_gpu(monkeypatch):
+    tried = []
+    monkeypatch.setattr(devices.torch, "empty", lambda *shape, device: tried.append(device))
+    assert devices.pick_device("cuda", local_rank=3) == "cuda:3" and tried == ["cuda:3"]
+    assert devices.pick_device("cuda:1", local_rank=3) == "cuda:1"
+
+
+def test_atomic_open_syncs_the_file_before_renaming_it(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.bin")
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append((os.fstat(fd).st_size, os.path.exists(path)))
+        real_fsync(fd)
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    with atomic.atomic_open(path) as f:
+        f.write(b"12345")
+    assert synced == [(5, False)] and os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_check_writable_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "new" / "out.json"
+    atomic.check_writable(str(path))
+    assert os.listdir(tmp_path / "new") == []
+    with pytest.raises(IsADirectoryError):
+        atomic.check_writable(str(tmp_path / "new"))
+
+
+def test_seed_sets_the_order_of_later_epochs(shards):
+    def epoch_1_start(*flags):
+        args = train_gpt2.parse_args(TINY + ["--data_dir", shards, "-B", "8", *flags])
+        loader = train_gpt2.build_loaders(args, 0, 1, print)[0]
+        loader.load_state_dict({"epoch": 1, "index": 0, "tokens_per_index": 8 * 32})
+        return loader.next_batch()[0]
+    assert torch.equal(epoch_1_start("--seed", "1"), epoch_1_start("--seed", "1"))
+    assert not torch.equal(epoch_1_start("--seed", "1"), epoch_1_start("--seed", "2"))
+    assert torch.equal(epoch_1_start("--seed", "1", "--shuffle", "0"), epoch_1_start("--seed", "2", "--shuffle", "0"))
+
+
+def test_training_on_from_the_newest_checkpoint_by_path_in_its_own_log_dir(shards, tmp_path):
+    run = ["--total_batch_size", "256", "-B", "8", "--checkpoint_interval", "2"]
+    train(shards, tmp_path, *run, "--max_steps", "4")
+    records = train(shards, tmp_path, *run, "--max_steps", "6", "--resume", tmp_path / "ckpt_000004.pt")
+    assert [r["step"] for r in train_records(records)] == list(range(6))
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
