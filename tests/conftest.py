@@ -100,6 +100,11 @@ def save_as_checkpoint(model, path):
     return str(path)
 
 
+def disk_full(*args, **kwargs):
+    """Stands in for any write that fails on a full disk."""
+    raise OSError(28, "No space left on device")
+
+
 def run_script(script, *args, cwd=REPO, env=None):
     """Runs one of the repository's scripts (or script, a path) as a user would, offline, with
     env's variables added; returns the CompletedProcess with stdout and stderr as text."""

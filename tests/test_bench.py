@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-from conftest import run_script
+from conftest import disk_full, run_script
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"]}
@@ -63,8 +63,6 @@ def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
 
 
 def test_a_json_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
     monkeypatch.setattr(bench, "atomic_open", disk_full)
     bench.main(["--quick", "--parts", "matmul,loader", "--json", str(tmp_path / "bench.json")])
     out, err = capsys.readouterr()

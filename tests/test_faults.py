@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import train_gpt2
-from conftest import REPO, run_torchrun, write_token_shards
+from conftest import REPO, disk_full, run_torchrun, write_token_shards
 from data import write_shard
 from test_hellaswag import EXAMPLES, write_jsonl
 from test_train import TINY, final_weights, one_line_error, read_log, run_cli, train, train_records
@@ -167,9 +167,6 @@ def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_
 
 
 def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
     def disk_full_for_the_log(path, mode="r", *args, **kwargs):
         if str(path).endswith("log.jsonl") and mode == "a":
             disk_full()

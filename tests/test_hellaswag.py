@@ -10,7 +10,7 @@ import torch
 
 import hellaswag
 from checkpoint import load_model
-from conftest import make_hf_gpt2, run_script
+from conftest import disk_full, make_hf_gpt2, run_script
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, get_encoding
@@ -291,8 +291,6 @@ def test_cli_scores_local_data_and_writes_json(tiny, examples, tmp_path):
 
 def test_cli_whose_json_cannot_be_written_after_scoring_says_so_in_one_line(tiny, examples, tmp_path, monkeypatch,
                                                                            capsys):
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
     monkeypatch.setattr(hellaswag, "atomic_open", disk_full)
     out = tmp_path / "result.json"
     with pytest.raises(SystemExit) as e:
