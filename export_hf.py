@@ -9,11 +9,9 @@ Face GPT-2 directory, or gpt2 ... gpt2-xl. A vocabulary padded for speed (50304)
 cut back to GPT-2's 50257 tokens. The export is written to a temporary directory,
 checked against the source model, and only then renamed to OUT_DIR.
 """
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from functools import lru_cache
 
@@ -22,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
-from checkpoint import CheckpointError, load_model
+from cli import Parser, load_model_onto
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 EOT_TEXT = "<|endoftext|>"
@@ -121,15 +119,6 @@ def hf_config(config):
     )
 
 
-def check_exportable(model):
-    """A reason the model has no Hugging Face GPT-2 equivalent with GPT-2's tokenizer, or None."""
-    if model.config.vocab_size < N_VOCAB:
-        return f"vocab_size {model.config.vocab_size} is smaller than GPT-2's {N_VOCAB} tokens"
-    if not model.config.bias:
-        return "a model without biases (bias=False) is not a GPT-2 architecture"
-    return None
-
-
 def write_model(model, out_dir):
     hf = GPT2LMHeadModel(hf_config(model.config))
     hf.load_state_dict(model.to_hf_state_dict())  # strict: every tensor, in both directions
@@ -184,7 +173,7 @@ def export(model, out_dir, force):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Export a model as a Hugging Face GPT-2 directory.")
+    parser = Parser(prog="export_hf.py", description="Export a model as a Hugging Face GPT-2 directory.")
     parser.add_argument("model",
                         help="a checkpoint (log/ckpt_XXXXXX.pt), a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
     parser.add_argument("out_dir", help="the directory to create")
@@ -194,20 +183,16 @@ def main(argv=None):
 
     out_dir = os.path.abspath(args.out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        sys.exit(f"error: {args.out_dir} exists and is not a directory")
+        parser.fail(f"{args.out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not args.force:
-        sys.exit(f"error: {args.out_dir} exists and is not empty (use --force to replace it)")
-    try:
-        model = load_model(args.model).eval()
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-    reason = check_exportable(model)
-    if reason:
-        sys.exit(f"error: {args.model}: {reason}")
+        parser.fail(f"{args.out_dir} exists and is not empty (use --force to replace it)")
+    model, _ = load_model_onto(parser, args.model)
+    if not model.config.bias:
+        parser.fail(f"{args.model}: a model without biases (bias=False) is not a GPT-2 architecture")
     try:
         diff = export(model, out_dir, args.force)
     except (OSError, RuntimeError) as e:
-        sys.exit(f"error: exporting to {args.out_dir}: {' '.join(str(e).split())}")
+        parser.fail(f"exporting to {args.out_dir}: {' '.join(str(e).split())}")
     n_params = sum(t.numel() for key, t in model.to_hf_state_dict().items() if key != "lm_head.weight")  # tied
     print(f"exported {args.model} to {args.out_dir}: {n_params / 1e6:.1f}M parameters, vocab {N_VOCAB}, "
           f"block {model.config.block_size}; logits match to {diff:.1e}")

@@ -11,7 +11,6 @@ the right, where causal attention never looks, and pad positions are left out of
 
 train_gpt2.py imports load_examples and evaluate for its periodic eval.
 """
-import argparse
 import http.client
 import json
 import os
@@ -24,9 +23,9 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from atomic import atomic_open, check_writable
-from checkpoint import CheckpointError, load_model
-from devices import autocast, pick_device, pick_dtype
-from tokenizer import N_VOCAB, get_encoding
+from cli import Parser, gpt2_vocab_problem, load_model_onto
+from devices import autocast, pick_dtype
+from tokenizer import get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
 URL_ENV = "HELLASWAG_URL"  # overrides URL: a mirror, or a local folder as file:///... (the tests)
@@ -147,8 +146,8 @@ def example_rows(example, block_size):
 def check_model(config, examples):
     """Raises HellaSwagError unless a model of this config can score every example: its
     vocabulary must hold GPT-2's token ids, and its block_size each ending (see example_rows)."""
-    if config.vocab_size < N_VOCAB:
-        raise HellaSwagError(f"a vocabulary of {config.vocab_size} cannot read GPT-2's {N_VOCAB} token ids")
+    if gpt2_vocab_problem(config.vocab_size):
+        raise HellaSwagError(gpt2_vocab_problem(config.vocab_size))
     try:
         for example in examples:
             example_rows(example, config.block_size)
@@ -236,7 +235,7 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Score a GPT-2 model on HellaSwag (completion style).")
+    parser = Parser(prog="hellaswag.py", description="Score a GPT-2 model on HellaSwag (completion style).")
     parser.add_argument("-m", "--model", default="gpt2",
                         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, or a train_gpt2.py checkpoint (.pt)")
     parser.add_argument("--split", default="val", help="val or train (the test split has no public labels)")
@@ -255,25 +254,17 @@ def main(argv=None):
         try:  # now, not after the scoring
             check_writable(args.json)
         except OSError as e:
-            sys.exit(f"hellaswag.py: error: --json {args.json}: cannot write there ({e.strerror})")
+            parser.fail(f"--json {args.json}: cannot write there ({e.strerror})")
 
     try:
         examples = load_examples(args.data, args.split, args.cache_dir)[: args.limit]
     except HellaSwagError as e:
-        sys.exit(f"hellaswag.py: error: {e}")
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        sys.exit(f"hellaswag.py: error: --device {args.device}: {e}")
-    try:
-        # Read on the CPU: a training checkpoint also holds AdamW's moments, twice the model's size.
-        model = load_model(args.model).to(device).eval()
-    except CheckpointError as e:
-        sys.exit(f"hellaswag.py: error: {e}")
+        parser.fail(str(e))
+    model, device = load_model_onto(parser, args.model, args.device)
     try:
         check_model(model.config, examples)
     except HellaSwagError as e:
-        sys.exit(f"hellaswag.py: error: {args.model}: {e}")
+        parser.fail(f"{args.model}: {e}")
 
     dtype = pick_dtype(args.dtype, torch.device(device).type)
     result = evaluate(model, examples, device, args.batch_size, dtype, progress=True)
@@ -288,7 +279,7 @@ def main(argv=None):
                 json.dump(result, f, indent=2)
                 f.write("\n")
         except OSError as e:  # a disk that filled during the scoring: the line above has the result
-            sys.exit(f"hellaswag.py: error: --json {args.json}: cannot write it ({e.strerror}); the result is above")
+            parser.fail(f"--json {args.json}: cannot write it ({e.strerror}); the result is above")
 
 
 if __name__ == "__main__":

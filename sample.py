@@ -13,9 +13,8 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, load_model
-from devices import pick_device
-from tokenizer import EOT, N_VOCAB, get_encoding
+from cli import Parser, load_model_onto
+from tokenizer import EOT, get_encoding
 
 
 def parse_args(argv=None):
@@ -82,16 +81,7 @@ def detokenize(tokens, enc):
 def main(argv=None):
     args = parse_args(argv)
     prompt = read_prompt(args.prompt)
-    try:
-        device = pick_device(args.device)
-    except ValueError as e:
-        sys.exit(f"error: --device {args.device}: {e}")
-    try:
-        model = load_model(args.model).to(device).eval()
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-    if model.config.vocab_size < N_VOCAB:
-        sys.exit(f"error: {args.model}: vocab_size {model.config.vocab_size} is smaller than GPT-2's {N_VOCAB} tokens")
+    model, device = load_model_onto(Parser(prog="sample.py"), args.model, args.device)
 
     enc = get_encoding()
     # A prompt may hold <|endoftext|> to separate documents; an empty one starts a new document.

@@ -26,10 +26,11 @@ import hellaswag
 from atomic import atomic_open
 from checkpoint import (CheckpointError, checkpoint_path, checkpoint_step, latest_checkpoint, list_checkpoints,
                         load_checkpoint, load_model, prune_checkpoints, save_checkpoint)
+from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_device, pick_dtype
 from model import GPT, GPTConfig
-from tokenizer import N_VOCAB, get_encoding
+from tokenizer import get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESETS = {
@@ -50,13 +51,8 @@ class RunError(Exception):
     """A bad argument or state that stops the run with one line and exit code 1."""
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser(add_help=True):
-    p = OneLineParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
+    p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
     a = p.add_argument
     a("--preset", default="gpt2", choices=PRESETS, help="a named recipe whose values become the defaults")
     a("--data_dir", default="edu_fineweb10B", help="directory of *_train_*.npy and *_val_*.npy shards")
@@ -585,8 +581,8 @@ def train(args):
         except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
             log(f"note: skipping HellaSwag: {e}")
             hellaswag_examples = None
-    if args.sample_interval and raw_model.config.vocab_size < N_VOCAB:
-        log(f"note: no samples: a vocabulary of {raw_model.config.vocab_size} cannot encode the GPT-2 prompt")
+    if args.sample_interval and gpt2_vocab_problem(raw_model.config.vocab_size):
+        log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
         args.sample_interval = 0
     flops_per_step = raw_model.flops_per_token(args.seq_len) * args.total_batch_size
     peak = peak_flops(device)

@@ -111,3 +111,14 @@ def run_script(script, *args, cwd=REPO, env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
     return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
                           cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=300)
+
+
+def exit_message(capsys, main, *argv):
+    """The one-line error that main(argv) exits with, not 0: argparse-style scripts print it
+    to stderr (its last line, after any progress bar), sys.exit(message) passes it as the code."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    assert e.value.code not in (0, None)
+    message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert "\n" not in message
+    return message

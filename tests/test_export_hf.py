@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 
 import export_hf
 from checkpoint import load_model
-from conftest import make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
+from conftest import exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT
 from tokenizer import EOT, N_VOCAB, get_encoding
 
@@ -99,37 +99,33 @@ def test_hf_to_ours_to_hf_is_lossless(hf_gpt2_dir, tmp_path):
     assert all(torch.equal(again[k], v) for k, v in hf.state_dict().items())
 
 
-def error_of(argv):
-    """The message export_hf.main exits with (Python prints it and exits with status 1)."""
-    with pytest.raises(SystemExit) as e:
-        export_hf.main(argv)
-    assert isinstance(e.value.code, str) and "\n" not in e.value.code
-    return e.value.code
+def error_of(capsys, argv):
+    return exit_message(capsys, export_hf.main, *argv)
 
 
-def test_bad_inputs_are_one_line_errors_and_leave_nothing(padded, tmp_path, monkeypatch):
+def test_bad_inputs_are_one_line_errors_and_leave_nothing(padded, tmp_path, monkeypatch, capsys):
     _, ckpt, _ = padded
     out = tmp_path / "out"
-    assert error_of([str(tmp_path / "missing.pt"), str(out)]).endswith("missing.pt: no such checkpoint")
+    assert error_of(capsys, [str(tmp_path / "missing.pt"), str(out)]).endswith("missing.pt: no such checkpoint")
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(open(ckpt, "rb").read()[:5000])
-    assert "damaged or incomplete checkpoint" in error_of([str(damaged), str(out)])
+    assert "damaged or incomplete checkpoint" in error_of(capsys, [str(damaged), str(out)])
     small = save_as_checkpoint(make_tiny_gpt(vocab_size=128), tmp_path / "small.pt")
-    assert "vocab_size 128 is smaller than GPT-2's 50257" in error_of([small, str(out)])
+    assert "a vocabulary of 128 cannot hold GPT-2's 50257 token ids" in error_of(capsys, [small, str(out)])
     # A failure half way through the export leaves no out_dir and no temporary.
     def disk_full(out_dir, _):
         open(os.path.join(out_dir, "vocab.json"), "w").close()
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(export_hf, "write_tokenizer", disk_full)
-    assert "No space left on device" in error_of([ckpt, str(out)])
-    assert "No space left on device" in error_of([ckpt, str(tmp_path / "new" / "deeper" / "out")])  # nor parents
+    assert "No space left on device" in error_of(capsys, [ckpt, str(out)])
+    assert "No space left on device" in error_of(capsys, [ckpt, str(tmp_path / "new" / "deeper" / "out")])  # nor parents
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["damaged.pt", "small.pt"]
     # An existing non-empty out_dir is refused, untouched, unless --force.
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert "exists and is not empty (use --force" in error_of([ckpt, str(out)])
+    assert "exists and is not empty (use --force" in error_of(capsys, [ckpt, str(out)])
     assert os.listdir(out) == ["keep.txt"]
     export_hf.main([ckpt, str(out), "--force"])
     assert "keep.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
@@ -143,7 +139,7 @@ def test_export_loads_back_into_our_model(padded):
         assert (back(idx)[0] - model(idx)[0]).abs().max() < 1e-5
 
 
-def test_forced_export_that_fails_leaves_the_old_directory(padded, tmp_path, monkeypatch):
+def test_forced_export_that_fails_leaves_the_old_directory(padded, tmp_path, monkeypatch, capsys):
     _, ckpt, _ = padded
     out = tmp_path / "out"
     out.mkdir()
@@ -151,11 +147,11 @@ def test_forced_export_that_fails_leaves_the_old_directory(padded, tmp_path, mon
     def mismatch(model, out_dir):
         raise RuntimeError("the exported model's logits differ from the source's by 1.00e+00")
     monkeypatch.setattr(export_hf, "check_export", mismatch)
-    assert "logits differ" in error_of([ckpt, str(out), "--force"])
+    assert "logits differ" in error_of(capsys, [ckpt, str(out), "--force"])
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["keep.txt"]
 
 
-def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, monkeypatch):
+def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, monkeypatch, capsys):
     _, ckpt, _ = padded
     # An activation other than GPT-2's: the weights load, the logits differ.
     gpt2_config = export_hf.hf_config
@@ -164,10 +160,10 @@ def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, m
         hf.activation_function = "relu"
         return hf
     monkeypatch.setattr(export_hf, "hf_config", relu_config)
-    assert "logits differ from the source's" in error_of([ckpt, str(tmp_path / "a")])
+    assert "logits differ from the source's" in error_of(capsys, [ckpt, str(tmp_path / "a")])
     monkeypatch.undo()
     # A tokenizer without GPT-2's first merge ("Ġ t"): " to" no longer becomes one token.
     vocab, merges = export_hf.gpt2_vocab_and_merges()
     monkeypatch.setattr(export_hf, "gpt2_vocab_and_merges", lambda: (vocab, merges[1:]))
-    assert "tokenizer disagrees with tiktoken" in error_of([ckpt, str(tmp_path / "b")])
+    assert "tokenizer disagrees with tiktoken" in error_of(capsys, [ckpt, str(tmp_path / "b")])
     assert os.listdir(tmp_path) == []

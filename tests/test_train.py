@@ -151,7 +151,7 @@ def test_hellaswag_is_skipped_with_a_note_for_a_model_that_cannot_read_it(shards
     examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
     records = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "1",
                     "--eval_interval", "1", "--hellaswag", "1", "--hellaswag_path", examples)
-    assert "note: skipping HellaSwag: a vocabulary of 256 cannot read GPT-2's 50257 token ids" in capsys.readouterr().out
+    assert "note: skipping HellaSwag: a vocabulary of 256 cannot hold GPT-2's 50257 token ids" in capsys.readouterr().out
     assert [r["step"] for r in records if "val_loss" in r] == [0, 1]
     assert not any("hellaswag_acc_norm" in r for r in records)
 
