@@ -23,12 +23,10 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fineweb
 import hellaswag
@@ -37,13 +35,16 @@ from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
 from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
-from train_gpt2 import forward_backward
+from train_gpt2 import build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag")
 # What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
-# rows; SDPA's fused attention kernel (off: its math fallback).
+# rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
 LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
+# train_gpt2.py's flags that are off by default, that --levers switches on one at a time on CUDA
+# (each stays off unless it measures faster): --attention cudnn, --compile_mode max-autotune-no-cudagraphs.
+OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 
 
 def parse_args(argv=None):
@@ -131,11 +132,15 @@ def time_steps(step, n_warmup, n_steps, device):
 
 
 def train_runs(args, compile_model, device_type):
-    """(variant, lever switched off or None) for each timed run, in order."""
+    """(variant, lever) for each timed run, in order: the project and the baseline, then with
+    --levers the project with each lever switched off (-name) and, on CUDA, with each opt-in
+    lever switched on (+name)."""
     runs = [("project", None)] + [("baseline", None)] * args.baseline
     if args.levers:
         applies = {"compile": compile_model, "fused_adamw": device_type == "cuda"}
-        runs += [("project", lever) for lever in LEVERS if applies.get(lever, True)]
+        runs += [("project", f"-{lever}") for lever in LEVERS if applies.get(lever, True)]
+        if device_type == "cuda":
+            runs += [("project", f"+{lever}") for lever in OPT_IN_LEVERS if lever != "max_autotune" or compile_model]
     return runs
 
 
@@ -149,36 +154,58 @@ def bench_train(args, device, workdir, record):
     n_tokens = (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * T + 1
     write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))
     for B in cfg["micro_batch_size"]:
-        for variant, off in train_runs(args, compile_model, device_type):
-            compiled = compile_model and variant == "project" and off != "compile"
-            result = dict(name="train", variant=variant, **({"without": off} if off else {}),
-                          config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} {str(dtype).split('.')[1]} "
-                                 f"compile={int(compiled)}")
-            result.update(time_train_run(cfg, B, variant, off, compiled, shard, device, dtype))
+        for variant, lever in train_runs(args, compile_model, device_type):
+            levers = train_levers(variant, lever, compile_model)
+            result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
+            result.update(time_train_run(cfg, B, levers, variant == "baseline", shard, device, dtype))
+            accumulation = f"({result.pop('micro_batch_size')}x{result.pop('grad_accum_steps')}) " if "grad_accum_steps" in result else ""
+            result["config"] = (f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} {accumulation}T{T} {str(dtype).split('.')[1]} "
+                                f"compile={int(levers['compile'] is not None)}")
             record(result)
 
 
-def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
-    """The figures of one timed run on a fresh model, or {"out_of_memory": True}, or {"error": why}."""
+def train_levers(variant, lever, compile_model):
+    """The build_trainable arguments and vocabulary of one run: the project's levers, all off for
+    the baseline, or one switched off (-name) or on (+name)."""
+    if variant == "baseline":
+        return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math")
+    levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=50304, attention="auto")
+    off = {"-compile": dict(compile=None), "-fused_adamw": dict(fused_adamw=False), "-padded_vocab": dict(vocab_size=N_VOCAB),
+           "-flash_attention": dict(attention="math"), "+cudnn_attention": dict(attention="cudnn"),
+           "+max_autotune": dict(compile="max-autotune-no-cudagraphs")}
+    return {**levers, **off.get(lever, {})}
+
+
+def time_train_run(cfg, B, levers, shrink_to_fit, shard, device, dtype):
+    """The figures of train_gpt2.train_step timed on a fresh model, or {"out_of_memory": True}, or
+    {"error": why}. With shrink_to_fit, a micro-batch that runs out of memory is halved, with twice
+    the gradient accumulation: the same tokens per step, at what fits."""
+    micro_batch_size = B
+    while True:
+        result = time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype)
+        if not (result.get("out_of_memory") and shrink_to_fit and micro_batch_size % 2 == 0):
+            break
+        micro_batch_size //= 2
+    if micro_batch_size != B:
+        result.update(micro_batch_size=micro_batch_size, grad_accum_steps=B // micro_batch_size)
+    return result
+
+
+def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
     device_type = device.split(":")[0]
     T = cfg["seq_len"]
-    # The baseline has none of the levers: nor the padded vocabulary, nor flash attention.
-    levers_off = set(LEVERS) if variant == "baseline" else {off}
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-    model = GPT(GPTConfig(block_size=T, vocab_size=N_VOCAB if "padded_vocab" in levers_off else 50304,
-                          n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
-    step = None
+    model = GPT(GPTConfig(block_size=T, vocab_size=levers["vocab_size"], n_layer=cfg["n_layer"],
+                          n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
+    t = None
     try:
-        if variant == "project":
-            fused_adamw = "fused_adamw" not in levers_off
-            step = train_step_project(model, shard, B, T, device, dtype, compiled, fused_adamw)
-        else:
-            step = train_step_baseline(model, shard, B, T, device, dtype)
+        t = build_trainable(model, device, dtype, B // micro_batch_size, compile_mode=levers["compile"],
+                            fused_adamw=levers["fused_adamw"], attention=levers["attention"])
+        loader = ShardLoader([shard], micro_batch_size, T)
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        with sdpa_kernel(SDPBackend.MATH) if "flash_attention" in levers_off else nullcontext():
-            seconds = time_steps(step, cfg["warmup"], cfg["steps"], device)
+        seconds = time_steps(lambda: train_step(t, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
         peak = peak_flops(device)
         return dict(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
                     mfu=model.flops_per_token(T) * B * T / seconds / peak if peak else None,
@@ -188,58 +215,13 @@ def time_train_run(cfg, B, variant, off, compiled, shard, device, dtype):
     except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
         first_line = next(iter(str(e).strip().splitlines()), "")
         error = f"{type(e).__name__}: {first_line}"
-        print(f"warning: train {variant}{f' -{off}' if off else ''} B{B} failed: {error}", file=sys.stderr)
+        print(f"warning: train B{B}: {levers}: {error}", file=sys.stderr)
         return {"error": error}
     finally:  # the next run starts with the device's memory free
-        del model, step
+        model = t = None
         gc.collect()
         if device_type == "cuda":
             torch.cuda.empty_cache()
-
-
-def train_step_project(model, shard, B, T, device, dtype, compile_model, fused_adamw=True):
-    """What train_gpt2.py does each step: compiled model, fused AdamW on CUDA, pinned async
-    copies, one host sync per step (here with one micro-batch per step)."""
-    device_type = device.split(":")[0]
-    loader = ShardLoader([shard], B, T)
-    optimizer = model.configure_optimizers(0.1, 6e-4, device_type, fused=None if fused_adamw else False)
-    compiled = torch.compile(model) if compile_model else model
-    mixed_precision = autocast(device_type, dtype)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-
-    def step():
-        loss = forward_backward(compiled, optimizer, loader, device, 1, mixed_precision, scaler)
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        loss.item()
-    return step
-
-
-def train_step_baseline(model, shard, B, T, device, dtype):
-    """The plainest faithful loop: eager, for-loop AdamW, the whole shard in memory as int64,
-    blocking copies, the loss read back after the forward (and, from time_train_run, an
-    unpadded vocabulary and the math attention)."""
-    device_type = device.split(":")[0]
-    tokens = torch.tensor(np.load(shard).astype(np.int64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  foreach=False, fused=False)
-    mixed_precision = autocast(device_type, dtype)
-    position = [0]
-
-    def step():
-        buf = tokens[position[0]: position[0] + B * T + 1]
-        position[0] += B * T
-        x, y = buf[:-1].view(B, T).to(device), buf[1:].view(B, T).to(device)
-        optimizer.zero_grad()
-        with mixed_precision:
-            _, loss = model(x, y)
-        loss.item()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return step
 
 
 # ----------------------------------------------------------------------------- loader
@@ -443,8 +425,8 @@ def print_table(results):
                ("TFLOP/s", "flops_per_sec", "T")]
 
     def label(r, key):
-        if key == "variant" and "without" in r:
-            return f"{r['variant']} -{r['without']}"
+        if key == "variant" and "lever" in r:
+            return f"{r['variant']} {r['lever']}"
         if key == "config" and r.get("out_of_memory"):
             return f"{r['config']}: out of memory"
         if key == "config" and "error" in r:

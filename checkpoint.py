@@ -1,8 +1,9 @@
-"""Checkpoints: written atomically, read as plain data, never by running pickled code.
+"""Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
 A checkpoint is a dict of tensors and plain Python values saved with torch.save:
 model (plain GPT keys), optimizer, scaler, step, data-loader position, RNG states,
-config (GPTConfig as a dict) and args. Every reader goes through load_checkpoint.
+config (GPTConfig as a dict) and args (training_state). Every reader goes through
+load_checkpoint; a run resumes through restore_training.
 """
 import glob
 import os
@@ -10,6 +11,8 @@ import pickle
 import re
 import shutil
 import sys
+
+from dataclasses import asdict
 
 import torch
 
@@ -65,6 +68,75 @@ def save_checkpoint(path, state):
         print(f"warning: could not write checkpoint {path}: {e}", file=sys.stderr)
         return False
     return True
+
+
+def training_state(raw_model, optimizer, scaler, step, train_loader, args):
+    """Everything an exact resume needs, as tensors and plain Python values."""
+    return {
+        "model": raw_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": step,
+        "train_loader": train_loader.state_dict(),
+        "rng": {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "config": asdict(raw_model.config),
+        "args": vars(args),
+    }
+
+
+def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
+    """Puts a run back where training_state found it; returns its step."""
+    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step") if key not in state]
+    if missing:
+        raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
+    config = asdict(raw_model.config)
+    if state["config"] != config:
+        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
+        raise CheckpointError(f"{path} holds a model of another architecture: {diff}")
+    raw_model.load_state_dict(state["model"])
+    load_optimizer_state(optimizer, state["optimizer"])
+    if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
+        scaler.load_state_dict(state["scaler"])
+    train_loader.load_state_dict(state["train_loader"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
+    return state["step"]
+
+
+KERNEL_FLAGS = ("fused", "foreach", "capturable")  # how AdamW runs here, not what it learned
+
+
+def load_optimizer_state(optimizer, saved):
+    """Loads saved into optimizer, keeping this machine's AdamW kernel (a run saved on a CPU resumes
+    fused on a GPU, and back). The flags go into the saved groups before loading: load_state_dict
+    places each `step` counter by them (fused and capturable kernels read it as float32 on the
+    parameter's device), so flags switched afterwards would leave it where the old kernel wanted it."""
+    groups = [{**saved_group, **{k: group[k] for k in KERNEL_FLAGS if k in group}}
+              for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
+
+
+def find_resume(resume, log_dir):
+    """(path, state) to resume from, or None to start fresh: resume is "none", "auto" (the newest
+    checkpoint in log_dir that loads) or a checkpoint's path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(log_dir)
+    return resume, load_checkpoint(resume)
+
+
+def check_no_later_checkpoints(log_dir, step):
+    """Training on from an older checkpoint into a log_dir that holds checkpoints of later steps
+    would interleave two runs there, and --resume auto or --keep_last would later take the wrong files."""
+    later = [p for p in list_checkpoints(log_dir) if checkpoint_step(p) > step]
+    if later:
+        raise CheckpointError(f"{log_dir} holds checkpoints past step {step} ({os.path.basename(later[-1])}, ...): "
+                              f"training from step {step} there would mix two runs; choose another --log_dir, "
+                              f"or delete them to branch off")
 
 
 def _tensors(obj):

@@ -12,13 +12,16 @@ PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H
               ("L4", 121e12), ("A10", 125e12), ("4090", 165e12)]
 
 
-def pick_device(name="auto", local_rank=0):
-    """A torch device string. auto: cuda, else mps, else cpu; a plain "cuda" is this process's
-    own GPU under torchrun (LOCAL_RANK). ValueError if the device cannot be used here."""
+def pick_device(name="auto", local_rank=None):
+    """A torch device string. auto: cuda, else mps, else cpu. Under torchrun (local_rank given)
+    each process takes its own GPU, cuda:LOCAL_RANK, and no other: DDP's device_ids and NCCL
+    assume it. ValueError if the device cannot be used here."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda":
-        name = f"cuda:{local_rank}"
+        name = f"cuda:{local_rank or 0}"
+    elif local_rank is not None and name.startswith("cuda:") and name != f"cuda:{local_rank}":
+        raise ValueError(f"under torchrun each process takes cuda:LOCAL_RANK (here cuda:{local_rank}): use --device cuda")
     try:
         torch.empty(0, device=name)  # an unknown name, a missing GPU, a torch built without it
     except (RuntimeError, AssertionError) as e:

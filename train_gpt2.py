@@ -15,20 +15,21 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 from atomic import atomic_open
-from checkpoint import (CheckpointError, checkpoint_path, checkpoint_step, latest_checkpoint, list_checkpoints,
-                        load_checkpoint, load_model, prune_checkpoints, save_checkpoint)
+from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_path, find_resume, load_model,
+                        prune_checkpoints, restore_training, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
-from devices import autocast, peak_flops, pick_device, pick_dtype
+from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 from model import GPT, GPTConfig
 from tokenizer import get_encoding
 
@@ -57,8 +58,9 @@ def build_parser(add_help=True):
     a("--preset", default="gpt2", choices=PRESETS, help="a named recipe whose values become the defaults")
     a("--data_dir", default="edu_fineweb10B", help="directory of *_train_*.npy and *_val_*.npy shards")
     a("--log_dir", default="log", help="log.jsonl and checkpoints go here")
-    a("--init_from", default="scratch", choices=["scratch", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
-      help="random init, or OpenAI's weights (their architecture overrides the model flags)")
+    a("--init_from", default="scratch",
+      help="scratch (random init), or the weights of gpt2 ... gpt2-xl, a Hugging Face GPT-2 directory or a checkpoint "
+           "(weights only: a fresh optimizer at step 0); their architecture overrides the model flags")
     a("--n_layer", type=int, default=12, help="transformer blocks")
     a("--n_head", type=int, default=12, help="attention heads per block")
     a("--n_embd", type=int, default=768, help="width of the residual stream")
@@ -84,10 +86,15 @@ def build_parser(add_help=True):
     a("--checkpoint_interval", type=int, default=5000, help="checkpoint every N steps and at the end (0: only at the end)")
     a("--keep_last", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
-    a("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, else mps, else cpu")
+    a("--device", default="auto",
+      help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:K (one process only: under torchrun each takes cuda:LOCAL_RANK), mps")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
       help="autocast dtype; auto: bfloat16 on CUDA from Ampere on, float16 with loss scaling before, else float32")
     a("--compile", default="auto", choices=["auto", "1", "0"], help="torch.compile the model; auto: on for CUDA")
+    a("--compile_mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+      help="torch.compile's mode: max-autotune tries more kernels, minutes longer to compile")
+    a("--attention", default="auto", choices=["auto", "cudnn", "math"],
+      help="SDPA's kernel: auto (torch's choice: flash attention on recent GPUs), cuDNN's, or the math reference")
     a("--seed", type=int, default=1337, help="seeds the init, the data order and the samples")
     a("--shuffle", type=int, default=1, choices=[0, 1],
       help="from the second epoch on, permute the shards and the windows within them (the first is in file order)")
@@ -156,14 +163,267 @@ def get_lr(step, args):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
 
 
+# ----------------------------------------------------------------------------- the step
+
+@dataclass
+class Trainable:
+    """What a training step works on, built once by build_trainable (bench.py times the same)."""
+    model: torch.nn.Module  # what the forward runs through: the GPT, DDP-wrapped and/or compiled
+    raw_model: GPT  # the plain GPT underneath, sharing the weights: checkpoints, HellaSwag, samples
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op in other dtypes
+    device: str
+    dtype: torch.dtype  # autocast's; float32 is none
+    grad_accum_steps: int
+    grad_clip: float  # 0: no clipping
+    attention: str = "auto"  # SDPA's kernel: torch's choice, cuDNN's, or the math reference
+
+    def forward_context(self):
+        """Autocast and the chosen attention kernel, for one forward pass (and the backward it records)."""
+        stack = ExitStack()
+        stack.enter_context(autocast(self.device.split(":")[0], self.dtype))
+        if self.attention != "auto":
+            stack.enter_context(sdpa_kernel(ATTENTION_KERNELS[self.attention]))
+        return stack
+
+
+ATTENTION_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+
+
+@dataclass
+class StepResult:
+    loss: float  # the mean over micro-steps and ranks
+    grad_norm: float  # before clipping
+    lr: float
+    skipped: bool  # a non-finite loss or gradient: the weights did not change
+    stop_requested: bool  # some rank was asked to stop (SIGTERM, Ctrl-C)
+
+
+def train_step(t, loader, lr, stop_requested=False, poison=None):
+    """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
+    the last; then the ranks agree on the loss and on stopping, the gradients are unscaled and
+    clipped, and the optimizer steps at lr, unless the loss or gradient is not finite. Returns
+    once the device has finished, so the caller's clock times the whole step."""
+    ddp = isinstance(getattr(t.model, "_orig_mod", t.model), DDP)
+    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
+    # so. Set to None, each step would allocate a second set and copy it into the buckets.
+    t.optimizer.zero_grad(set_to_none=not ddp)
+    loss_sum = torch.zeros((), device=t.device)
+    for micro_step in range(t.grad_accum_steps):
+        x, y = (to_device(b, t.device) for b in loader.next_batch())
+        last = micro_step == t.grad_accum_steps - 1
+        with t.model.no_sync() if ddp and not last else nullcontext(), t.forward_context():
+            loss = t.model(x, y)[1]  # [1]: the logits are not kept alive into the next micro-step
+        if poison is not None:
+            loss = poison(loss)
+        loss = loss / t.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
+        loss_sum += loss.detach()
+        t.scaler.scale(loss).backward()
+    # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
+    # rank's was), stop vote and norm (of gradients already all-reduced), so all decide alike.
+    status = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=t.device)])
+    if dist.is_initialized():
+        dist.all_reduce(status)
+    t.scaler.unscale_(t.optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.grad_clip or math.inf)
+    loss_sum, stop_votes, norm = torch.cat([status, norm.reshape(1)]).tolist()
+    loss = loss_sum / (dist.get_world_size() if dist.is_initialized() else 1)
+    # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
+    skipped = not (math.isfinite(loss) and (math.isfinite(norm) or t.scaler.is_enabled()))
+    if not skipped:
+        for group in t.optimizer.param_groups:
+            group["lr"] = lr
+        t.scaler.step(t.optimizer)
+    t.scaler.update()  # after every unscale_, or the next step's unscale_ raises
+    synchronize(t.device)
+    return StepResult(loss, norm, lr, skipped, stop_votes > 0)
+
+
+def to_device(t, device):
+    # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
+    return t.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else t.to(device)
+
+
+def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
+                    compile_mode=None, fused_adamw=None, attention="auto"):
+    """The Trainable of a GPT already on device: AdamW (fused on CUDA unless fused_adamw=False), DDP
+    across ranks, then torch.compile in compile_mode (None: eager). Compiling the DDP wrapper, not the
+    model inside it, lets dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket
+    overlaps the backward of the rest instead of waiting for all of it."""
+    optimizer = raw_model.configure_optimizers(weight_decay, lr, device.split(":")[0], fused=fused_adamw)
+    model = raw_model
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
+        model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
+                    gradient_as_bucket_view=True)
+    if compile_mode is not None:
+        model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype == torch.float16)
+    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, attention)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def train(args):
+    run = setup(args)
+    args, t, log = run.args, run.trainable, run.log
+    faults = Faults(args.fault, run.rank)
+    bad_steps = 0  # non-finite steps in a row
+    with StopSignal() as stop:
+        step = run.start_step
+        while True:
+            last_step = step >= args.max_steps
+            if step > run.start_step and (last_step or (args.checkpoint_interval and step % args.checkpoint_interval == 0)):
+                save(run, step)
+            if args.eval_interval and (step % args.eval_interval == 0 or last_step):
+                evaluate(run, step)
+            if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
+                write_samples(run, step)
+            if last_step:
+                break
+
+            faults.before_step(step)
+            t0 = time.perf_counter()
+            result = train_step(t, run.train_loader, get_lr(step, args), stop.received is not None, faults.poison)
+            bad_steps = bad_steps + 1 if result.skipped else 0
+            log_step(run, step, result, time.perf_counter() - t0, bad_steps)
+            if bad_steps >= args.max_bad_steps:
+                raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
+                               f"the newest checkpoint in {args.log_dir} predates them: lower --max_lr or check the data")
+            step += 1
+            if result.stop_requested:
+                save(run, step)
+                log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
+                break
+    if dist.is_initialized():
+        # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
+        # the run finished while the checkpoint it would resume from is still being written.
+        dist.barrier()
+    return t.raw_model
+
+
+def log_step(run, step, result, seconds, bad_steps):
+    tokens = step * run.args.total_batch_size
+    if result.skipped:
+        run.log(f"step {step:5d} | skipped: non-finite loss {result.loss} or grad norm {result.grad_norm} "
+                f"({bad_steps} in a row)")
+        run.run_log.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
+        return
+    tokens_per_sec = run.args.total_batch_size / seconds
+    mfu = f" | mfu {100 * run.flops_per_step / seconds / run.peak_flops:.1f}%" if run.peak_flops else ""
+    mem = f" | mem {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f}GiB" if run.device.startswith("cuda") else ""
+    run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e} | norm {result.grad_norm:.4f} | "
+            f"dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
+    run.run_log.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                      dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
+
+
+def evaluate(run, step):
+    """Val loss and HellaSwag, on every rank, logged by rank 0."""
+    tokens = step * run.args.total_batch_size
+    if run.val_loader is not None:
+        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.args.val_steps)
+        run.log(f"step {step:5d} | val loss {val_loss:.4f}")
+        run.run_log.write(step=step, tokens=tokens, val_loss=val_loss)
+    if run.hellaswag_examples:
+        acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size)
+        run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
+        run.run_log.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
+
+
+def write_samples(run, step):
+    if run.rank == 0:
+        texts = sample_texts(run.trainable, seed=run.args.seed + step)
+        run.log("\n".join(f"sample {i}: {t}" for i, t in enumerate(texts)))
+        run.run_log.write(step=step, tokens=step * run.args.total_batch_size, samples=texts)
+
+
+def save(run, step):
+    """Checkpoints step, refusing weights that are not finite. Every rank takes part, so that a
+    refusal stops them all at once rather than leaving the others waiting at the next collective."""
+    t = run.trainable
+    finite = bool(torch.stack([p.isfinite().all() for p in t.raw_model.parameters()]).all())
+    agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
+    if run.rank == 0:
+        path = checkpoint_path(run.args.log_dir, step)
+        state = training_state(t.raw_model, t.optimizer, t.scaler, step, run.train_loader, run.args)
+        if save_checkpoint(path, state):
+            prune_checkpoints(run.args.log_dir, run.args.keep_last)
+            run.log(f"saved {path}")
+
+
 # ----------------------------------------------------------------------------- setup
+
+@dataclass
+class Run:
+    """Everything setup() builds for the loop."""
+    args: argparse.Namespace
+    rank: int
+    world_size: int
+    device: str
+    log: object  # print on rank 0, nothing elsewhere
+    trainable: Trainable
+    train_loader: ShardLoader
+    val_loader: ShardLoader  # None without val shards
+    hellaswag_examples: list  # None when not scored
+    start_step: int
+    run_log: "RunLog"
+    flops_per_step: float
+    peak_flops: float  # None where unknown: no MFU
+
+
+def setup(args):
+    """Processes, data, model and optimizer, and the state to resume from, in that order."""
+    rank, local_rank, world_size, device = setup_distributed(args.device)
+    device_type = device.split(":")[0]
+
+    def log(message):
+        if rank == 0:
+            print(message, flush=True)
+
+    check_args(args, world_size)
+    grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
+    log(f"world size {world_size}, device {device}, {grad_accum_steps} micro-steps of "
+        f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
+    torch.manual_seed(args.seed)
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
+    on_every_rank(make_log_dir, args.log_dir)
+    mirrors = on_every_rank(log_mirrors, args, rank == 0)
+    raw_model = build_model(args, log).to(device)
+    if args.seq_len > raw_model.config.block_size:
+        raise RunError(f"--seq_len {args.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
+    on_every_rank(ensure_demo_shards, args, rank, log)
+    train_loader, val_loader = build_loaders(args, rank, world_size, raw_model.config.vocab_size, log)
+    hellaswag_examples = load_hellaswag(args, local_rank, log)
+    compile_mode = args.compile_mode if resolve_compile(args.compile, device_type, log) else None
+    t = build_trainable(raw_model, device, pick_dtype(args.dtype, device_type), grad_accum_steps, args.grad_clip,
+                        args.weight_decay, args.max_lr, compile_mode, attention=args.attention)
+    start_step = resume(args, t, train_loader, log)
+    evaluate_only = start_step >= args.max_steps
+    # Records past the starting step are of steps about to be trained again; an evaluation trains none.
+    run_log = RunLog(args.log_dir, None if evaluate_only else start_step, enabled=rank == 0, mirrors=mirrors)
+
+    if hellaswag_examples:
+        try:
+            hellaswag.check_model(raw_model.config, hellaswag_examples)
+        except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
+            log(f"note: skipping HellaSwag: {e}")
+            hellaswag_examples = None
+    if args.sample_interval and gpt2_vocab_problem(raw_model.config.vocab_size):
+        log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
+        args.sample_interval = 0
+    flops_per_step = raw_model.flops_per_token(args.seq_len) * args.total_batch_size
+    peak = peak_flops(device)
+    return Run(args, rank, world_size, device, log, t, train_loader, val_loader, hellaswag_examples, start_step,
+               run_log, flops_per_step, peak * world_size if peak else None)
+
 
 def setup_distributed(device_arg):
     """(rank, local_rank, world_size, device): from torchrun's environment, or one process.
     NCCL joins CUDA processes, gloo CPU ones, so data parallelism runs (and is tested) on CPU."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     try:
-        device = pick_device(device_arg, local_rank)
+        device = pick_device(device_arg, local_rank if "RANK" in os.environ else None)
     except ValueError as e:
         raise RunError(f"--device {device_arg}: {e}") from None
     if device.startswith("cuda"):
@@ -185,6 +445,24 @@ def every_rank(value):
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def on_every_rank(fn, *args):
+    """fn(*args), where a RunError raised on any rank is raised on every rank (see agree)."""
+    try:
+        result, error = fn(*args), None
+    except RunError as e:
+        result, error = None, str(e)
+    agree(error)
+    return result
+
+
+def agree(error):
+    """Raises RunError on every rank if any rank found an error (a message; None for none):
+    a refusal taken on one rank alone would leave the others waiting at the next collective."""
+    errors = [e for e in every_rank(error) if e is not None]
+    if errors:
+        raise RunError(errors[0])
 
 
 def restart_safe_store(world_size):
@@ -217,12 +495,43 @@ def resolve_compile(flag, device_type, log):
     return False
 
 
+def make_log_dir(log_dir):
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--log_dir {log_dir}: cannot make it ({e.strerror})") from None
+
+
 def build_model(args, log):
+    """A GPT of the model flags, randomly initialised, or the weights of anything load_model takes
+    (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture then wins."""
     if args.init_from == "scratch":
         return GPT(GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
-    log(f"initialising from OpenAI's {args.init_from}")
-    return load_model(args.init_from)
+    log(f"initialising from {args.init_from}")
+    try:
+        return load_model(args.init_from)
+    except CheckpointError as e:
+        raise RunError(f"--init_from: {e}") from None
+
+
+def resume(args, t, train_loader, log):
+    """Restores the checkpoint --resume names, if any, into t and the loader; returns the step to
+    start from. Every rank reads the checkpoint itself, so all must find the same one: on several
+    nodes, log_dir must be shared storage."""
+    found = find_resume(args.resume, args.log_dir)
+    steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
+    if len(set(steps)) > 1:
+        raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                       f"on several nodes, --log_dir must be a directory they all share")
+    if found is None:
+        return 0
+    path, state = found
+    step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
+    log(f"resuming from {path} at step {step}")
+    if args.resume != "auto" and step < args.max_steps:
+        check_no_later_checkpoints(args.log_dir, step)
+    return step
 
 
 def ensure_demo_shards(args, rank, log):
@@ -239,29 +548,27 @@ def ensure_demo_shards(args, rank, log):
             raise RunError(str(e)) from None
         if summary["status"] != "already complete":
             log(f"sharded {TINY_SHAKESPEARE} into {summary['shards']} shards in {args.data_dir}")
-    if dist.is_initialized():
-        dist.barrier()
 
 
-def build_loaders(args, rank, world_size, log):
+def build_loaders(args, rank, world_size, vocab_size, log):
     train_paths, val_paths = list_shards(args.data_dir, "train"), list_shards(args.data_dir, "val")
     if not train_paths:
         raise RunError(f"no *_train_*.npy shards in {args.data_dir!r}: make them with "
                        f"`python fineweb.py --output_dir {args.data_dir}` (or --input your files)")
     B, T = args.micro_batch_size, args.seq_len
     train = ShardLoader(train_paths, B, T, rank, world_size, seed=args.seed, shuffle=bool(args.shuffle),
-                        vocab_size=args.vocab_size)
+                        vocab_size=vocab_size)
     val = None
     if not val_paths:
         log(f"warning: no *_val_*.npy shards in {args.data_dir}: no val loss")
     else:
-        val = ShardLoader(val_paths, B, T, rank, world_size, shuffle=False, vocab_size=args.vocab_size)
+        val = ShardLoader(val_paths, B, T, rank, world_size, shuffle=False, vocab_size=vocab_size)
         if val.batches_per_epoch < args.val_steps:
             log(f"warning: the val shards hold {val.batches_per_epoch} micro-batches per rank, "
                 f"fewer than --val_steps {args.val_steps}: using {val.batches_per_epoch}")
             args.val_steps = val.batches_per_epoch
     for shard in train.shards + (val.shards if val else []):  # fail now, naming the shard, not hours in
-        shard.check_ids(args.vocab_size, full=args.check_data == "full")
+        shard.check_ids(vocab_size, full=args.check_data == "full")
     return train, val
 
 
@@ -299,28 +606,30 @@ def read_hellaswag(args, log):
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def estimate_val_loss(model, loader, steps, mixed_precision, device):
-    """Mean loss over the first `steps` val micro-batches of every rank, averaged over ranks."""
-    model.eval()
+def estimate_val_loss(t, loader, steps):
+    """Mean loss over the first `steps` val micro-batches of every rank, averaged over ranks, through
+    the training step's (compiled) model."""
+    t.model.eval()
     loader.reset()
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=t.device)
     for _ in range(steps):
-        x, y = (to_device(t, device) for t in loader.next_batch())
-        with mixed_precision:
-            total += model(x, y)[1]
+        x, y = (to_device(b, t.device) for b in loader.next_batch())
+        with t.forward_context():
+            total += t.model(x, y)[1]
     if dist.is_initialized():
         dist.all_reduce(total)
-    model.train()
+    t.model.train()
     return total.item() / (steps * (dist.get_world_size() if dist.is_initialized() else 1))
 
 
 @torch.no_grad()
-def hellaswag_accuracy(model, examples, device, dtype, rank, world_size):
-    """(acc, acc_norm, n) with the examples split across ranks and the counts summed."""
-    model.eval()
-    counts = hellaswag.evaluate(model, examples, device, dtype=dtype, rank=rank, world_size=world_size)
-    model.train()
-    total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=device, dtype=torch.long)
+def hellaswag_accuracy(t, examples, rank, world_size):
+    """(acc, acc_norm, n) with the examples split across ranks and the counts summed. Through the
+    plain module: its shapes change from batch to batch, which would recompile a compiled one."""
+    t.raw_model.eval()
+    counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size)
+    t.raw_model.train()
+    total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=t.device, dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(total)
     n, correct, correct_norm = total.tolist()
@@ -328,14 +637,15 @@ def hellaswag_accuracy(model, examples, device, dtype, rank, world_size):
 
 
 @torch.no_grad()
-def sample_texts(model, device, mixed_precision, seed, num_samples=4, max_new_tokens=32):
+def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
+    """Samples of SAMPLE_PROMPT from the plain module (a preview: under the training autocast)."""
     enc = get_encoding()
-    model.eval()
-    prompt = torch.tensor(enc.encode_ordinary(SAMPLE_PROMPT), device=device).repeat(num_samples, 1)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with mixed_precision:
-        out = model.generate(prompt, max_new_tokens, top_k=50, generator=generator)
-    model.train()
+    t.raw_model.eval()
+    prompt = torch.tensor(enc.encode_ordinary(SAMPLE_PROMPT), device=t.device).repeat(num_samples, 1)
+    generator = torch.Generator(device=t.device).manual_seed(seed)
+    with t.forward_context():
+        out = t.raw_model.generate(prompt, max_new_tokens, top_k=50, generator=generator)
+    t.raw_model.train()
     return [enc.decode(row) for row in out.tolist()]
 
 
@@ -384,22 +694,27 @@ class RunLog:
                 mirror(record)
 
 
-def log_mirrors(args):
-    """Callables that copy each log record to wandb and/or TensorBoard, imported only when asked for."""
+def log_mirrors(args, enabled):
+    """Callables that copy each log record to wandb and/or TensorBoard, imported only when asked for
+    (on every rank, so that a missing package stops them all), made only where enabled (rank 0)."""
     mirrors = []
     if args.wandb:
         try:
             import wandb
         except ImportError:
             raise RunError("--wandb needs the wandb package: pip install wandb") from None
-        run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
-                         dir=args.log_dir, config=vars(args))
-        mirrors.append(lambda r: run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
     if args.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise RunError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    if not enabled:
+        return mirrors
+    if args.wandb:
+        run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
+                         dir=args.log_dir, config=vars(args))
+        mirrors.append(lambda r: run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
+    if args.tensorboard:
         writer = SummaryWriter(os.path.join(args.log_dir, "tensorboard"))
 
         def to_tensorboard(record):
@@ -457,252 +772,6 @@ class Faults:
 
     def poison(self, loss):
         return loss * float("nan") if self.nan_now else loss
-
-
-def training_state(raw_model, optimizer, scaler, step, train_loader, args):
-    """Everything an exact resume needs, as tensors and plain Python values."""
-    return {
-        "model": raw_model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "step": step,
-        "train_loader": train_loader.state_dict(),
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        "config": asdict(raw_model.config),
-        "args": vars(args),
-    }
-
-
-def find_resume_state(args):
-    """(path, state) to resume from, or None to start fresh. Every rank reads the checkpoint
-    itself, so all must find the same one: on several nodes, log_dir must be shared storage."""
-    if args.resume == "none":
-        return None
-    resume = latest_checkpoint(args.log_dir) if args.resume == "auto" else (args.resume, load_checkpoint(args.resume))
-    steps = every_rank(resume[1].get("step") if resume else None)  # a model-only one has none: restore says so
-    if len(set(steps)) > 1:
-        raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
-                       f"on several nodes, --log_dir must be a directory they all share")
-    return resume
-
-
-def check_no_later_checkpoints(log_dir, step):
-    """Training on from an older checkpoint, named by path, into a log_dir that holds checkpoints
-    of later steps would interleave two runs there, and --resume auto or --keep_last would later
-    take the wrong run's files."""
-    later = [p for p in list_checkpoints(log_dir) if checkpoint_step(p) > step]
-    if later:
-        raise RunError(f"{log_dir} holds checkpoints past step {step} ({os.path.basename(later[-1])}, ...): training "
-                       f"from step {step} there would mix two runs; choose another --log_dir, or delete them to branch off")
-
-
-def restore(state, path, raw_model, optimizer, scaler, train_loader):
-    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step") if key not in state]
-    if missing:
-        raise RunError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
-    if state["config"] != asdict(raw_model.config):
-        diff = ", ".join(f"{k} {v} (this run: {asdict(raw_model.config).get(k)})"
-                         for k, v in state["config"].items() if asdict(raw_model.config).get(k) != v)
-        raise RunError(f"{path} holds a model of another architecture: {diff}")
-    raw_model.load_state_dict(state["model"])
-    # The saved param groups also hold the saving machine's AdamW kernel (fused, foreach): this
-    # machine's own choice stays, so a run saved on a CPU resumes fused on a GPU, and back.
-    kernels = [{k: group[k] for k in ("fused", "foreach")} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
-    for group, kernel in zip(optimizer.param_groups, kernels):
-        group.update(kernel)
-    if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
-        scaler.load_state_dict(state["scaler"])
-    train_loader.load_state_dict(state["train_loader"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
-    return state["step"]
-
-
-# ----------------------------------------------------------------------------- training
-
-def train(args):
-    rank, local_rank, world_size, device = setup_distributed(args.device)
-    device_type = device.split(":")[0]
-    master = rank == 0
-
-    def log(message):
-        if master:
-            print(message, flush=True)
-
-    check_args(args, world_size)
-    grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    log(f"world size {world_size}, device {device}, {grad_accum_steps} micro-steps of "
-        f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
-    torch.manual_seed(args.seed)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
-    try:  # on every rank, so that all stop alike if it cannot be made
-        os.makedirs(args.log_dir, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"--log_dir {args.log_dir}: cannot make it ({e.strerror})") from None
-
-    ensure_demo_shards(args, rank, log)
-    train_loader, val_loader = build_loaders(args, rank, world_size, log)
-    hellaswag_examples = load_hellaswag(args, local_rank, log)
-
-    raw_model = build_model(args, log).to(device)
-    if args.seq_len > raw_model.config.block_size:
-        raise RunError(f"--seq_len {args.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
-    dtype = pick_dtype(args.dtype, device_type)
-    mixed_precision = autocast(device_type, dtype)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, device_type)
-
-    start_step = 0
-    resume = find_resume_state(args)
-    if resume is not None:
-        start_step = restore(resume[1], resume[0], raw_model, optimizer, scaler, train_loader)
-        log(f"resuming from {resume[0]} at step {start_step}")
-    evaluate_only = start_step >= args.max_steps
-    if args.resume not in ("auto", "none") and not evaluate_only:
-        check_no_later_checkpoints(args.log_dir, start_step)
-    # Records past the starting step are of steps about to be trained again; an evaluation trains none.
-    run_log = RunLog(args.log_dir, None if evaluate_only else start_step, enabled=master,
-                     mirrors=log_mirrors(args) if master else ())
-
-    # HellaSwag and sampling use the plain module (same weights): their shapes change from call to
-    # call, which would recompile. Val loss has the training shapes and runs compiled.
-    model = torch.compile(raw_model) if resolve_compile(args.compile, device_type, log) else raw_model
-    if world_size > 1:
-        # Gradients as views into DDP's all-reduce buckets (kept, see forward_backward): no second
-        # gradient-sized buffer, no copy.
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True)
-    if hellaswag_examples:
-        try:
-            hellaswag.check_model(raw_model.config, hellaswag_examples)
-        except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
-            log(f"note: skipping HellaSwag: {e}")
-            hellaswag_examples = None
-    if args.sample_interval and gpt2_vocab_problem(raw_model.config.vocab_size):
-        log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
-        args.sample_interval = 0
-    flops_per_step = raw_model.flops_per_token(args.seq_len) * args.total_batch_size
-    peak = peak_flops(device)
-
-    faults = Faults(args.fault, rank)
-    bad_steps = 0  # non-finite steps in a row
-    with StopSignal() as stop:
-        step = start_step
-        while True:
-            last_step = step >= args.max_steps
-            tokens = step * args.total_batch_size
-
-            if master and step > start_step and (last_step or (args.checkpoint_interval and step % args.checkpoint_interval == 0)):
-                write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log)
-            if args.eval_interval and (step % args.eval_interval == 0 or last_step):
-                if val_loader is not None:
-                    val_loss = estimate_val_loss(model.module if world_size > 1 else model, val_loader, args.val_steps, mixed_precision, device)
-                    log(f"step {step:5d} | val loss {val_loss:.4f}")
-                    run_log.write(step=step, tokens=tokens, val_loss=val_loss)
-                if hellaswag_examples:
-                    acc, acc_norm, n = hellaswag_accuracy(raw_model, hellaswag_examples, device, dtype, rank, world_size)
-                    log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
-                    run_log.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
-            if master and args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
-                texts = sample_texts(raw_model, device, mixed_precision, seed=args.seed + step)
-                log("\n".join(f"sample {i}: {t}" for i, t in enumerate(texts)))
-                run_log.write(step=step, tokens=tokens, samples=texts)
-            if last_step:
-                break
-
-            t0 = time.time()
-            faults.before_step(step)
-            loss_accum = forward_backward(model, optimizer, train_loader, device, grad_accum_steps, mixed_precision,
-                                          scaler, faults.poison)
-            loss, norm, stop_requested = agree_on_step(loss_accum, stop.received is not None, raw_model, optimizer,
-                                                       scaler, args.grad_clip)
-            lr = get_lr(step, args)
-            # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
-            if math.isfinite(loss) and (math.isfinite(norm) or scaler.is_enabled()):
-                bad_steps = 0
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                scaler.step(optimizer)
-                scaler.update()
-                dt = time.time() - t0
-                mfu = f" | mfu {100 * flops_per_step / dt / (peak * world_size):.1f}%" if peak else ""
-                mem = f" | mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device_type == "cuda" else ""
-                log(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | norm {norm:.4f} | "
-                    f"dt {1000 * dt:.2f}ms | tok/s {args.total_batch_size / dt:.0f}{mfu}{mem}")
-                run_log.write(step=step, tokens=tokens, train_loss=loss, lr=lr, grad_norm=norm,
-                              dt_ms=1000 * dt, tokens_per_sec=args.total_batch_size / dt)
-            else:
-                bad_steps += 1
-                scaler.update()  # unscale_ ran this step: without an update the next step's unscale_ raises
-                log(f"step {step:5d} | skipped: non-finite loss {loss} or grad norm {norm} ({bad_steps} in a row)")
-                run_log.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
-                if bad_steps >= args.max_bad_steps:
-                    raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
-                                   f"the newest checkpoint in {args.log_dir} predates them: lower --max_lr or check the data")
-            step += 1
-            if stop_requested:
-                if master:
-                    write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log)
-                log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
-                break
-    if world_size > 1:
-        # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
-        # the run finished while the checkpoint it would resume from is still being written.
-        dist.barrier()
-    return raw_model
-
-
-def to_device(t, device):
-    # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
-    return t.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else t.to(device)
-
-
-def forward_backward(model, optimizer, loader, device, grad_accum_steps, mixed_precision, scaler, poison=None):
-    """Gradients of the mean loss over grad_accum_steps micro-batches, all-reduced (under DDP) only
-    on the last one: no_sync() covers the forward and backward of the others. Returns the mean
-    loss as a device tensor, without waiting for the device."""
-    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
-    # so. Set to None, each step would allocate a second set and copy it into the buckets.
-    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
-    loss_accum = torch.zeros((), device=device)
-    for micro_step in range(grad_accum_steps):
-        x, y = (to_device(t, device) for t in loader.next_batch())
-        last = micro_step == grad_accum_steps - 1
-        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
-            with mixed_precision:
-                _, loss = model(x, y)
-            if poison is not None:
-                loss = poison(loss)
-            loss = loss / grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
-            loss_accum += loss.detach()
-            scaler.scale(loss).backward()
-    return loss_accum
-
-
-def agree_on_step(loss_accum, stop_requested, raw_model, optimizer, scaler, grad_clip):
-    """(mean loss over ranks, gradient norm before clipping to grad_clip, whether any rank was asked
-    to stop), with one all-reduce and one wait for the device. Every rank gets the same three: the
-    mean is non-finite everywhere if any rank's loss was, and the norm comes from gradients DDP
-    already all-reduced. So the decisions taken on them (skip the step, stop) agree across ranks."""
-    status = torch.stack([loss_accum, torch.tensor(float(stop_requested), device=loss_accum.device)])
-    if dist.is_initialized():
-        dist.all_reduce(status)
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
-    loss_sum, stop_votes, norm = torch.cat([status, norm.reshape(1)]).tolist()
-    return loss_sum / (dist.get_world_size() if dist.is_initialized() else 1), norm, stop_votes > 0
-
-
-def write_checkpoint(args, raw_model, optimizer, scaler, step, train_loader, log):
-    if not torch.stack([p.isfinite().all() for p in raw_model.parameters()]).all():
-        raise RunError(f"the weights at step {step} are not finite: not checkpointing them")
-    path = checkpoint_path(args.log_dir, step)
-    if save_checkpoint(path, training_state(raw_model, optimizer, scaler, step, train_loader, args)):
-        prune_checkpoints(args.log_dir, args.keep_last)
-        log(f"saved {path}")
 
 
 def main(argv=None):

@@ -26,8 +26,8 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
         for row in rows:
             assert all(isinstance(row[key], (int, float)) and row[key] >= 0 for key in FIGURES[name]), row
     # On a CPU nothing is compiled and AdamW is not fused: the levers left to switch off.
-    levers = [r["without"] for r in report["results"] if "without" in r]
-    assert levers == ["padded_vocab", "flash_attention"]
+    levers = [r["lever"] for r in report["results"] if "lever" in r]
+    assert levers == ["-padded_vocab", "-flash_attention"]
     table = result.stdout.splitlines()
     assert table[0].startswith(report["device"]) and table[1].split()[:2] == ["part", "variant"]
     assert len(table) == 2 + len(report["results"])
@@ -38,9 +38,13 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB"), {"out_of_memory": True}),
     (RuntimeError("backend compiler failed\n(a long trace)"), {"error": "RuntimeError: backend compiler failed"})])
 def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, failure, recorded):
-    def fail(*args, **kwargs):
-        raise failure
-    monkeypatch.setattr(bench, "train_step_project", fail)
+    real_build = bench.build_trainable
+
+    def fail_the_project(*args, attention, **kwargs):  # the baseline runs the math attention
+        if attention != "math":
+            raise failure
+        return real_build(*args, attention=attention, **kwargs)
+    monkeypatch.setattr(bench, "build_trainable", fail_the_project)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "2,3"]), "cpu", str(tmp_path), results.append)
     assert [(r["variant"], r["config"].split()[2]) for r in results] == [
@@ -99,11 +103,35 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
     assert waits == ["mps"] * 5
 
 
-def test_the_train_baseline_has_neither_the_padded_vocab_nor_flash_attention(tmp_path, monkeypatch):
-    seen = []
+def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
+    """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
+    train_gpt2.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
+    too large for the device, halves it and accumulates twice as often: the same tokens per step."""
+    import train_gpt2
 
-    def record_baseline(model, *args):
-        return lambda: seen.append((model.config.vocab_size, torch.backends.cuda.flash_sdp_enabled()))
-    monkeypatch.setattr(bench, "train_step_baseline", record_baseline)
-    bench.bench_train(bench.parse_args(["--quick", "--parts", "train"]), "cpu", str(tmp_path), lambda result: None)
-    assert seen and set(seen) == {(50257, False)}
+    built, stepped, flash = [], [], []
+
+    def build(model, *args, **kwargs):
+        built.append(((model, *args), kwargs))
+        # What SDPA is allowed to run, seen from inside each forward of the timed step.
+        model.register_forward_pre_hook(lambda *_: flash.append((kwargs["attention"], torch.backends.cuda.flash_sdp_enabled())))
+        return train_gpt2.build_trainable(model, *args, **kwargs)
+    monkeypatch.setattr(bench, "build_trainable", build)
+
+    def step(t, loader, lr):
+        stepped.append((t.grad_accum_steps, loader.B))
+        if t.raw_model.config.vocab_size == 50257 and t.attention == "math" and loader.B > 2:  # the baseline does not fit
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return train_gpt2.train_step(t, loader, lr)
+    monkeypatch.setattr(bench, "train_step", step)
+    results = []
+    bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
+    assert [(r["variant"], r.get("lever"), r["config"].split()[2:4]) for r in results] == [
+        ("project", None, ["B8", "T64"]), ("baseline", None, ["B8", "(2x4)"]),
+        ("project", "-padded_vocab", ["B8", "T64"]), ("project", "-flash_attention", ["B8", "T64"])]
+    assert all(r["tokens_per_sec"] > 0 for r in results)
+    levers = [(kw["attention"], kw["fused_adamw"], kw["compile_mode"], a[0].config.vocab_size) for a, kw in built]
+    assert levers == [("auto", None, None, 50304), ("math", False, None, 50257), ("math", False, None, 50257),
+                      ("math", False, None, 50257), ("auto", None, None, 50257), ("math", None, None, 50304)]
+    assert {(accum, B) for accum, B in stepped} == {(1, 8), (2, 4), (4, 2)}
+    assert set(flash) == {("auto", True), ("math", False)}

@@ -317,7 +317,7 @@ def run_with_rank_1_patched(tmp_path, patch, *args):
 def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path):
     train(shards, tmp_path, *RUN, "--max_steps", "2")
     # As on a second node that does not share rank 0's disk: it finds no checkpoint.
-    result = run_with_rank_1_patched(tmp_path, "train_gpt2.latest_checkpoint = lambda log_dir: None",
+    result = run_with_rank_1_patched(tmp_path, "train_gpt2.find_resume = lambda resume, log_dir: None",
                                      "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4")
     assert result.returncode == 1
     assert result.stderr.count("error: the ranks found different checkpoints to resume from "

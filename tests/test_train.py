@@ -276,15 +276,14 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         raw_model = GPT(GPTConfig(**TINY_CONFIG))
-        model = DDP(raw_model, gradient_as_bucket_view=True)
-        optimizer = raw_model.configure_optimizers(0.1, 1e-3, "cpu")
+        model = DDP(raw_model, gradient_as_bucket_view=True)  # as build_trainable wraps it on 2 ranks or more
+        t = train_gpt2.Trainable(model, raw_model, raw_model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", torch.float32, 2, 1.0)
         loader = ShardLoader(list_shards(shards, "train"), 2, 32)
         where = []  # the gradient's storage after each micro-step's accumulation
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        for _ in range(2):
-            train_gpt2.forward_backward(model, optimizer, loader, "cpu", 2, train_gpt2.nullcontext(), scaler)
-            optimizer.step()
+        for step in range(2):
+            assert not train_gpt2.train_step(t, loader, 1e-3).skipped
     finally:
         dist.destroy_process_group()
     # The first step allocates, and DDP copies into its bucket and keeps the bucket as the gradient.
@@ -309,9 +308,9 @@ def test_resume_keeps_this_machines_adamw_kernel(shards):
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
-    state = train_gpt2.training_state(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
+    state = checkpoint.training_state(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
-    assert train_gpt2.restore(state, "ckpt", model, optimizer, scaler, loader) == 3
+    assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
 
 
@@ -374,8 +373,8 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
     model = GPT(GPTConfig(**TINY_CONFIG))
     loader = ShardLoader(list_shards(shards, "train"), 8, 32)
-    step = train_gpt2.restore(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                              torch.amp.GradScaler("cpu", enabled=False), loader)
+    step = checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                       torch.amp.GradScaler("cpu", enabled=False), loader)
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
 
 
@@ -528,20 +527,34 @@ sys.path.insert(0, {repo!r})
 # torch.compile's wrapper (and its _orig_mod. prefix) without inductor's minutes of C++ builds on a CPU.
 torch.compile = functools.partial(torch.compile, backend="eager")
 import train_gpt2
+real_build = train_gpt2.build_trainable
+
+
+def build_trainable(*args, **kwargs):
+    t = real_build(*args, **kwargs)
+    print(f"the step runs through {{type(t.model).__name__}} of {{type(t.model._orig_mod).__name__}}")
+    return t
+train_gpt2.build_trainable = build_trainable
 train_gpt2.main()
 """
 
 
-def test_compiled_ddp_run_evaluates_hellaswag_and_saves_plain_gpt_keys(shards, tmp_path):
-    """A 2-process run with --compile 1 and HellaSwag at every eval: the ranks' shares add up, and
-    its checkpoint holds plain GPT keys that hellaswag.py scores to the number the run logged."""
+def test_compiled_ddp_run_equals_eager_evaluates_hellaswag_and_saves_plain_gpt_keys(shards, tmp_path):
+    """A 2-process run with --compile 1 and HellaSwag at every eval: torch.compile wraps DDP (so
+    dynamo cuts the graph at DDP's buckets and the all-reduce overlaps the backward), the losses are
+    the eager run's, the ranks' HellaSwag shares add up, and its checkpoint holds plain GPT keys
+    that hellaswag.py scores to the number the run logged."""
     script = tmp_path / "train_compiled.py"
     script.write_text(COMPILED_TRAIN.format(repo=REPO))
     examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
-    result = run_torchrun(script, *TINY, "--compile", "1", "--vocab_size", "50304", "--data_dir", shards,
-                          "--log_dir", tmp_path, "--total_batch_size", "256", "-B", "4", "--max_steps", "2",
-                          "--eval_interval", "2", "--val_steps", "1", "--hellaswag", "1", "--hellaswag_path", examples)
+    flags = [*TINY, "--vocab_size", "50304", "--data_dir", shards, "--total_batch_size", "256", "-B", "4",
+             "--max_steps", "2", "--eval_interval", "2", "--val_steps", "1", "--hellaswag", "1", "--hellaswag_path", examples]
+    result = run_torchrun(script, *flags, "--compile", "1", "--log_dir", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "the step runs through OptimizedModule of DistributedDataParallel" in result.stdout
+    eager = run_torchrun("train_gpt2.py", *flags, "--log_dir", tmp_path / "eager")
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert_same_run(read_log(tmp_path), read_log(tmp_path / "eager"))
     logged = [r for r in read_log(tmp_path) if "hellaswag_acc_norm" in r]
     assert [(r["step"], r["hellaswag_n"]) for r in logged] == [(0, 5), (2, 5)]
     saved = torch.load(tmp_path / "ckpt_000002.pt", weights_only=True)["model"]
@@ -624,18 +637,27 @@ def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypat
     assert stepped == [pytest.approx([lr, lr]) for lr in expected]  # both groups: decayed and not
 
 
+class OneBatch:
+    """A loader that gives the same batch every time."""
+    def __init__(self, x, y):
+        self.batch = x, y
+
+    def next_batch(self):
+        return self.batch
+
+
 def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_logged():
     model = GPT(GPTConfig(**TINY_CONFIG))
     x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss = model(x[:, :-1], x[:, 1:])[1].item()
 
     def step(grad_clip, scaler):
-        model.zero_grad(set_to_none=True)
-        loss = model(x[:, :-1], x[:, 1:])[1]
-        scaler.scale(loss).backward()
-        optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
-        mean_loss, norm, stop = train_gpt2.agree_on_step(loss.detach(), False, model, optimizer, scaler, grad_clip)
-        assert mean_loss == pytest.approx(loss.item()) and stop is False
-        return norm, torch.cat([p.grad.flatten() for p in model.parameters()])
+        # lr 0: the weights stay, so every call sees the same gradients; clipping leaves them in p.grad.
+        t = train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, "cpu",
+                                 torch.float32, 1, grad_clip)
+        result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
+        assert result.loss == pytest.approx(loss) and not result.stop_requested and not result.skipped
+        return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
 
     norm, grads = step(0, torch.amp.GradScaler("cpu", enabled=False))  # --grad_clip 0: no clipping
     assert norm == pytest.approx(grads.norm().item(), rel=1e-5) and norm > 0
@@ -746,11 +768,14 @@ def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
     assert [r["step"] for r in train_records(records)] == [0, 2, 4]
 
 
-def test_a_plain_cuda_device_is_this_ranks_gpu(monkeypatch):
+def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch):
     tried = []
     monkeypatch.setattr(devices.torch, "empty", lambda *shape, device: tried.append(device))
     assert devices.pick_device("cuda", local_rank=3) == "cuda:3" and tried == ["cuda:3"]
-    assert devices.pick_device("cuda:1", local_rank=3) == "cuda:1"
+    assert devices.pick_device("cuda:3", local_rank=3) == "cuda:3"
+    with pytest.raises(ValueError, match=r"under torchrun each process takes cuda:LOCAL_RANK \(here cuda:3\)"):
+        devices.pick_device("cuda:1", local_rank=3)
+    assert devices.pick_device("cuda:1") == "cuda:1" and devices.pick_device("cuda") == "cuda:0"  # one process: any
 
 
 def test_atomic_open_syncs_the_file_before_renaming_it(tmp_path, monkeypatch):
@@ -777,7 +802,7 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
 def test_seed_sets_the_order_of_later_epochs(shards):
     def epoch_1_start(*flags):
         args = train_gpt2.parse_args(TINY + ["--data_dir", shards, "-B", "8", *flags])
-        loader = train_gpt2.build_loaders(args, 0, 1, print)[0]
+        loader = train_gpt2.build_loaders(args, 0, 1, args.vocab_size, print)[0]
         loader.load_state_dict({"epoch": 1, "index": 0, "tokens_per_index": 8 * 32})
         return loader.next_batch()[0]
     assert torch.equal(epoch_1_start("--seed", "1"), epoch_1_start("--seed", "1"))
@@ -792,3 +817,113 @@ def test_training_on_from_the_newest_checkpoint_by_path_in_its_own_log_dir(shard
     assert [r["step"] for r in train_records(records)] == list(range(6))
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
         "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
+
+
+def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
+    """Optimizer.load_state_dict places each `step` counter by the flags of the groups it loads,
+    so a run saved with one AdamW kernel and resumed with another must load under this machine's
+    flags: after restore_training every state tensor has the device and dtype that the same
+    optimizer, built fresh here and stepped once, holds. (On a GPU a CPU run's counters would stay
+    on the CPU, under the fused kernel; on a CPU the same rule shows in the dtype: with float64 as
+    the default dtype the foreach kernel counts in float64, the fused one in float32.)"""
+    loader = ShardLoader(list_shards(shards, "train"), 2, 32)
+
+    def stepped_once(fused):
+        model = GPT(GPTConfig(**TINY_CONFIG))
+        optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=fused)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return model, optimizer
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        saved_model, saved_optimizer = stepped_once(fused=False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = checkpoint.training_state(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]))
+    _, fresh = stepped_once(fused=True)
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    resumed = model.configure_optimizers(0.1, 1e-3, "cpu", fused=True)
+    checkpoint.restore_training(state, "ckpt", model, resumed, scaler, loader)
+
+    def placement(optimizer):
+        return [{k: (v.device, v.dtype) for k, v in optimizer.state[p].items()}
+                for group in optimizer.param_groups for p in group["params"]]
+    assert placement(resumed) == placement(fresh)
+    assert placement(fresh)[0]["step"] == (torch.device("cpu"), torch.float32)
+    assert [g["fused"] for g in resumed.param_groups] == [True, True]
+
+
+def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
+    """The loop's clock stops when train_step returns: the device must have run the optimizer
+    step by then, or tokens/s and MFU would describe only the queueing of the work."""
+    events = []
+    monkeypatch.setattr(train_gpt2, "synchronize", lambda device: events.append(("synchronize", device)))
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
+    optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
+    t = train_gpt2.Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
+                             torch.float32, 2, 1.0)
+    train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
+    assert events == [("optimizer step",), ("synchronize", "cpu")]
+
+
+NON_FINITE_ON_RANK_1 = """
+import math, os, sys
+sys.path.insert(0, {repo!r})
+import torch
+import train_gpt2
+real_save = train_gpt2.save
+
+
+def save(run, step):  # as if rank 1 alone had found its weights no longer finite
+    if os.environ["RANK"] == "1":
+        with torch.no_grad():
+            run.trainable.raw_model.lm_head.weight[0, 0] = math.inf
+    real_save(run, step)
+train_gpt2.save = save
+train_gpt2.main()
+"""
+
+
+def test_a_refusal_on_one_rank_stops_every_rank_at_once(shards, tmp_path):
+    """Non-finite weights found by one rank at checkpoint time: every rank stops with the same
+    one-line error, rank 0 writes nothing, and no rank is left waiting for a collective."""
+    script = tmp_path / "non_finite.py"
+    script.write_text(NON_FINITE_ON_RANK_1.format(repo=REPO))
+    result = run_torchrun(script, *TINY, "--data_dir", shards, "--log_dir", tmp_path / "log",
+                          "--total_batch_size", "128", "-B", "2", "--max_steps", "4", "--checkpoint_interval", "2",
+                          timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("error: the weights at step 2 are not finite: not checkpointing them") == 1
+    assert "exitcode  : 1" in result.stderr and checkpoint.list_checkpoints(str(tmp_path / "log")) == []
+
+
+def test_init_from_takes_only_the_weights_of_a_checkpoint_or_a_hugging_face_directory(shards, tmp_path, hf_gpt2_dir,
+                                                                                      capsys):
+    run = ["--total_batch_size", "256", "-B", "8", "--val_steps", "2"]
+    trained = train(shards, tmp_path / "a", *run, "--max_steps", "3", "--eval_interval", "3")
+    # From a checkpoint: its weights (the val loss it was logged with), a fresh optimizer and schedule at step 0.
+    tuned = train(shards, tmp_path / "b", *run, "--max_steps", "2", "--eval_interval", "2",
+                  "--init_from", tmp_path / "a" / "ckpt_000003.pt")
+    assert [(r["step"], r["val_loss"]) for r in tuned if "val_loss" in r][0] == next(
+        (r["step"] - 3, r["val_loss"]) for r in trained if r["step"] == 3 and "val_loss" in r)
+    assert [r["lr"] for r in train_records(tuned)] == [r["lr"] for r in train_records(trained)][:2]
+    state = load_checkpoint(str(tmp_path / "b" / "ckpt_000002.pt"))
+    assert state["step"] == 2 and {s["step"].item() for s in state["optimizer"]["state"].values()} == {2.0}
+    # From a Hugging Face directory: its architecture, whatever the model flags say, and its loss.
+    hf, hf_dir = hf_gpt2_dir
+    data = tmp_path / "vocab128"
+    write_token_shards(data, vocab=hf.config.vocab_size)
+    evaluated = train(str(data), tmp_path / "c", *run, "--max_steps", "0", "--eval_interval", "1", "--init_from", hf_dir)
+    val = ShardLoader(list_shards(str(data), "val"), 8, 32, shuffle=False)
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+                  for x, y in (val.next_batch() for _ in range(2))]
+    assert evaluated[0]["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+    missing = tmp_path / "missing.pt"
+    capsys.readouterr()
+    assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "d", "--init_from", missing) == (
+        f"error: --init_from: {missing}: no such checkpoint")
