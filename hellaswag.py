@@ -33,7 +33,9 @@ CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag"
 SPLIT_SIZES = {"train": 39905, "val": 10042}  # examples per file; a different count means a bad file
 N_ENDINGS = 4
 PAD_ID = 0  # any valid id: padding comes after every real token, so no real position attends to it
-LOGITS_PER_CHUNK = 1 << 22  # logits computed at once when scoring: 16 MB in float32
+# Float32 logits computed at once when scoring: on a CPU 16 MB, which stays in its caches; on a
+# GPU 1 GiB (1,300 positions a matmul at GPT-2's vocabulary), or less where memory is short.
+LOGITS_BYTES = {"cpu": 1 << 24, "gpu": 1 << 30}
 
 
 class HellaSwagError(Exception):
@@ -179,13 +181,22 @@ def ending_losses(model, rows, device, dtype=torch.float32):
     # steps are 0.25 apart, coarser than the loss differences between endings it must rank.
     # A chunk of positions at a time: a batch's logits (1.7 GB in float32 for 64 examples)
     # never exist at once, so the batch size is bounded by the model, not by the head.
-    chunk = max(1, LOGITS_PER_CHUNK // model.config.vocab_size)
+    chunk = max(1, logits_per_chunk(hidden.device) // model.config.vocab_size)
     losses = [F.cross_entropy(model.head(h), t, reduction="none")
               for h, t in zip(hidden.split(chunk), targets[scored].split(chunk))]
     token_losses = torch.zeros(targets.shape, device=hidden.device)
     token_losses[scored] = torch.cat(losses)
     total = token_losses.sum(dim=1)
     return total, total / scored.sum(dim=1)
+
+
+def logits_per_chunk(device):
+    """How many float32 logits ending_losses computes at once on device (see LOGITS_BYTES)."""
+    if device.type != "cuda":
+        return LOGITS_BYTES["cpu"] // 4
+    free, _ = torch.cuda.mem_get_info(device)
+    # Up to an eighth of what is free: the cross-entropy makes a copy or two of them.
+    return min(LOGITS_BYTES["gpu"], free // 8) // 4
 
 
 def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):

@@ -105,10 +105,20 @@ def test_batched_scores_equal_unbatched_and_the_definition(tiny, examples):
             assert (sums[i, j].item(), means[i, j].item()) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
+def test_the_logits_chunk_is_sized_by_device(monkeypatch):
+    """A CPU's chunk stays in its caches; a GPU's is 1 GiB, hundreds of positions a matmul at
+    GPT-2's vocabulary, unless less than 8 GiB is free."""
+    assert hellaswag.logits_per_chunk(torch.device("cpu")) * 4 == 16 << 20
+    for free, chunk_bytes in [(80 << 30, 1 << 30), (4 << 30, 512 << 20)]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 << 30))
+        assert hellaswag.logits_per_chunk(torch.device("cuda:0")) * 4 == chunk_bytes
+    assert hellaswag.logits_per_chunk(torch.device("cuda:0")) // 50304 > 1000 // 2
+
+
 def test_scores_do_not_depend_on_the_logits_chunk(tiny, examples, monkeypatch):
-    monkeypatch.setattr(hellaswag, "LOGITS_PER_CHUNK", 10**9)  # every batch's logits at once
+    monkeypatch.setattr(hellaswag, "logits_per_chunk", lambda device: 10**9)  # every batch's logits at once
     whole = all_scores(tiny, examples, batch_size=16)
-    monkeypatch.setattr(hellaswag, "LOGITS_PER_CHUNK", 3 * tiny.config.vocab_size)  # 3 positions a chunk
+    monkeypatch.setattr(hellaswag, "logits_per_chunk", lambda device: 3 * tiny.config.vocab_size)  # 3 positions a chunk
     chunked = all_scores(tiny, examples, batch_size=16)
     for a, b in zip(whole, chunked):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
