@@ -1,0 +1,35 @@
+"""torch.compile with inductor, the compiler a GPU run uses, on the CPU: the training step's model
+compiles whole, recompiles only where expected, and computes the eager step's losses."""
+import functools
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import train_gpt2
+from conftest import write_token_shards
+from data import ShardLoader, list_shards
+from model import GPT, GPTConfig
+
+
+def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkeypatch):
+    write_token_shards(tmp_path)
+    config = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
+    counter = CompileCounterWithBackend("inductor")
+    # fullgraph=True: a graph break anywhere in the model's forward raises instead of splitting it.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counter, fullgraph=True))
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        t = train_gpt2.build_trainable(GPT(config), "cpu", torch.float32, grad_accum_steps=2,
+                                       compile_mode="default" if compiled else None)
+        train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
+        val = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False)
+        losses[compiled] = [train_gpt2.train_step(t, train, 1e-3).loss,
+                            train_gpt2.estimate_val_loss(t, val, 2),
+                            train_gpt2.train_step(t, train, 1e-3).loss,
+                            train_gpt2.train_step(t, train, 1e-3).loss]
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+    # One graph for training and one for evaluation (no grad, dropout off); back to training reuses the first.
+    assert counter.frame_count == 2
