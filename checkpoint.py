@@ -1,34 +1,48 @@
 """Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
-A checkpoint is a dict of tensors and plain Python values saved with torch.save:
-model (plain GPT keys), optimizer, scaler, step, data-loader position, RNG states,
-config (GPTConfig as a dict) and args (training_state). Every reader goes through
-load_checkpoint; a run resumes through restore_training.
+A checkpoint holds the model (plain GPT keys), AdamW's state, the loss scaler, the step, the
+data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's args
+(training_state). It comes in two kinds:
+- ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
+- ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory whose model and optimizer
+  every rank writes its own shards of (under FSDP), beside train_state.pt with the rest.
+Every reader goes through load_checkpoint; a run resumes through restore_training, from
+either kind, sharded or not, on any number of ranks.
+
+    python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
 import glob
+import io
 import os
 import pickle
 import re
 import shutil
 import sys
-
+import warnings
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
 from model import GPT, GPTConfig
 
-CHECKPOINT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
+TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and AdamW's tensors
 
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, damaged, or not plain data."""
 
 
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+def checkpoint_path(log_dir, step, sharded=False):
+    return os.path.join(log_dir, f"ckpt_{step:06d}" + ("" if sharded else ".pt"))
 
 
 def checkpoint_step(path):
@@ -36,8 +50,10 @@ def checkpoint_step(path):
 
 
 def list_checkpoints(log_dir):
-    """Checkpoint files in log_dir, oldest step first."""
-    paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt")) if CHECKPOINT_RE.search(p)]
+    """The checkpoints in log_dir of either kind, oldest step first. A sharded one is complete
+    only under its final name: it is written under another and renamed."""
+    paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*"))
+             if CHECKPOINT_RE.search(p) and os.path.isdir(p) != p.endswith(".pt")]
     return sorted(paths, key=checkpoint_step)
 
 
@@ -55,7 +71,7 @@ def save_checkpoint(path, state):
     moment leaves either the complete new file or none. Returns False, keeping older files,
     when the disk lacks room."""
     directory = os.path.dirname(os.path.abspath(path))
-    need = 1.1 * sum(t.numel() * t.element_size() for t in _tensors(state)) + (1 << 20)
+    need = 1.1 * sum(t.numel() * t.element_size() for t in tensors_in(state)) + (1 << 20)
     free = shutil.disk_usage(directory).free
     if free < need:
         print(f"warning: skipping checkpoint {path}: {free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed",
@@ -72,9 +88,13 @@ def save_checkpoint(path, state):
 
 def training_state(raw_model, optimizer, scaler, step, train_loader, args):
     """Everything an exact resume needs, as tensors and plain Python values."""
+    return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            **run_state(raw_model, scaler, step, train_loader, args)}
+
+
+def run_state(raw_model, scaler, step, train_loader, args):
+    """All of training_state but the model's and AdamW's tensors: what train_state.pt holds."""
     return {
-        "model": raw_model.state_dict(),
-        "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "step": step,
         "train_loader": train_loader.state_dict(),
@@ -86,16 +106,24 @@ def training_state(raw_model, optimizer, scaler, step, train_loader, args):
 
 
 def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
-    """Puts a run back where training_state found it; returns its step."""
-    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step") if key not in state]
+    """Puts a run back where training_state found it, from either kind of checkpoint into a model
+    sharded or not; returns its step."""
+    sharded = is_sharded_checkpoint(path)  # its tensors are read from the directory, not from state
+    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step")
+               if key not in state and not (sharded and key == "optimizer")]
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     config = asdict(raw_model.config)
     if state["config"] != config:
         diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}")
-    raw_model.load_state_dict(state["model"])
-    load_optimizer_state(optimizer, state["optimizer"])
+    if sharded:
+        load_sharded(path, raw_model, optimizer)
+    elif isinstance(raw_model, FSDPModule):
+        load_whole_into_sharded(state, raw_model, optimizer)
+    else:
+        raw_model.load_state_dict(state["model"])
+        load_optimizer_state(optimizer, state["optimizer"])
     if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
         scaler.load_state_dict(state["scaler"])
     train_loader.load_state_dict(state["train_loader"])
@@ -114,9 +142,129 @@ def load_optimizer_state(optimizer, saved):
     fused on a GPU, and back). The flags go into the saved groups before loading: load_state_dict
     places each `step` counter by them (fused and capturable kernels read it as float32 on the
     parameter's device), so flags switched afterwards would leave it where the old kernel wanted it."""
-    groups = [{**saved_group, **{k: group[k] for k in KERNEL_FLAGS if k in group}}
-              for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
-    optimizer.load_state_dict({**saved, "param_groups": groups})
+    optimizer.load_state_dict({**saved, "param_groups": with_kernel_flags(saved["param_groups"], optimizer)})
+
+
+def with_kernel_flags(saved_groups, optimizer):
+    return [{**saved_group, **{k: group[k] for k in KERNEL_FLAGS if k in group}}
+            for saved_group, group in zip(saved_groups, optimizer.param_groups)]
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+
+def is_sharded_checkpoint(path):
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, TRAIN_STATE))
+
+
+def save_sharded(path, model, optimizer, state, async_save=False):
+    """Writes a sharded checkpoint on every rank: each rank its own shards of the model and of
+    AdamW's state, in parallel, rank 0 also state (run_state's). The directory is written as
+    PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
+    the tensors copied to host memory, and the writing goes on in a thread: the returned future
+    is done once the checkpoint is in place; otherwise it is in place on return (None returned).
+    A failed write (a full disk) on any rank is an OSError or DCP's CheckpointException on all."""
+    partial = path + ".partial"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
+        os.makedirs(partial)
+        with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
+            torch.save(state, f)
+    if dist.is_initialized():
+        dist.barrier()  # the directory exists, empty of older shards, before any rank writes
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+
+    def put_in_place(_=None):
+        if rank == 0:
+            if os.path.isdir(path):  # the same step saved again (a run resumed before it)
+                shutil.rmtree(path)
+            os.rename(partial, path)
+
+    if not async_save:
+        dcp.save(tensors, checkpoint_id=partial)
+        put_in_place()
+        return None
+    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=background_group())
+    future.add_done_callback(lambda f: f.exception() is None and put_in_place())
+    return future
+
+
+_background_group = None
+
+
+def background_group():
+    """A process group of its own for checkpoints written in the background: on the training's
+    group, the writer's collectives would interleave with the training's own (as torchtitan, gloo)."""
+    global _background_group
+    if _background_group is None and dist.is_initialized():
+        _background_group = dist.new_group(backend="gloo")
+    return _background_group
+
+
+def load_sharded(path, model, optimizer=None):
+    """Reads a sharded checkpoint's model (and AdamW's state) into model, sharded or not, on any
+    number of ranks or in one process: DCP reads each rank the pieces of the shards it holds."""
+    if optimizer is None:
+        tensors = {"model": get_model_state_dict(model)}
+        dcp_load(tensors, path)
+        set_model_state_dict(model, tensors["model"])
+        return
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+    dcp_load(tensors, path)
+    tensors["optimizer"]["param_groups"] = with_kernel_flags(tensors["optimizer"]["param_groups"], optimizer)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+
+
+def dcp_load(tensors, path):
+    with warnings.catch_warnings():  # in one process DCP warns that it reads without torch.distributed, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=path)
+
+
+def load_whole_into_sharded(state, model, optimizer):
+    """A one-file checkpoint (every rank has read all of it) into a sharded model: each rank keeps
+    its shards. Its AdamW state is keyed by the parameters' order in the optimizer; DCP's loader
+    wants their names."""
+    names = {id(p): name for name, p in plain_state_dict(dict(model.named_parameters())).items()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = state["optimizer"]
+    by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                                for g in with_kernel_flags(saved["param_groups"], optimizer)]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP reads a checkpoint's .metadata with pickle, which would run whatever code a crafted
+    file holds: it is first read here, where nothing but DCP's own metadata can be built."""
+    ALLOWED = {"torch.distributed.checkpoint.metadata": None, "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+               "torch.serialization": {"_get_layout"}, "torch": {"Size"}, "pathlib": {"PosixPath", "WindowsPath", "Path"},
+               "collections": {"OrderedDict"}}
+
+    def find_class(self, module, name):
+        allowed = self.ALLOWED.get(module, ())
+        if (allowed is None or name in allowed) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def check_sharded(path):
+    """Raises CheckpointError unless path's .metadata is DCP's plain metadata."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            MetadataUnpickler(io.BytesIO(f.read())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
+    except pickle.UnpicklingError as e:
+        unsafe = re.search(r"GLOBAL (\S+)", str(e))
+        what = f"it would construct {unsafe.group(1)}" if unsafe else first_line(e)
+        raise CheckpointError(f"{path}: refused: its .metadata is not DCP's plain metadata ({what}); "
+                              f"nothing in it was run") from None
+    except Exception as e:  # truncated, not a pickle at all
+        raise CheckpointError(f"{path}: damaged sharded checkpoint ({type(e).__name__}: {first_line(e)})") from None
 
 
 def find_resume(resume, log_dir):
@@ -139,20 +287,32 @@ def check_no_later_checkpoints(log_dir, step):
                               f"or delete them to branch off")
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
+def tensors_in(obj):
+    """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's shard."""
+    if isinstance(obj, DTensor):
+        yield obj.to_local()
+    elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def load_checkpoint(path, map_location="cpu"):
     """Loads a checkpoint with weights_only=True: tensors and plain data only. A pickle that
-    would construct anything else, code included, is refused before any of it runs."""
+    would construct anything else, code included, is refused before any of it runs. Of a
+    sharded checkpoint, only train_state.pt: its tensors are read into a model by
+    restore_training or load_model."""
+    if is_sharded_checkpoint(path):
+        check_sharded(path)
+        return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
+    return _load_plain(path, map_location)
+
+
+def _load_plain(path, map_location, require=("model", "config")):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
@@ -166,9 +326,10 @@ def load_checkpoint(path, map_location="cpu"):
     except Exception as e:  # truncated, overwritten, not a torch file at all
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {detail})") from None
-    if not isinstance(state, dict) or "model" not in state or "config" not in state:
-        raise CheckpointError(f"{path}: not a checkpoint of this project (no model or config)")
-    state["model"] = plain_state_dict(state["model"])
+    if not isinstance(state, dict) or any(key not in state for key in require):
+        raise CheckpointError(f"{path}: not a checkpoint of this project (no {' or '.join(require)})")
+    if "model" in state:
+        state["model"] = plain_state_dict(state["model"])
     return state
 
 
@@ -187,7 +348,7 @@ def prune_checkpoints(log_dir, keep_last):
     """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all)."""
     if keep_last > 0:
         for path in list_checkpoints(log_dir)[:-keep_last]:
-            os.remove(path)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def load_model(name_or_path, map_location="cpu"):
@@ -195,19 +356,50 @@ def load_model(name_or_path, map_location="cpu"):
     (gpt2 ... gpt2-xl) or a Hugging Face GPT-2 directory. Any failure is a CheckpointError
     of one line, so every script reports a model it cannot load the same way."""
     # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
-    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt"):
+    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
         try:
             model = GPT(GPTConfig(**state["config"]))
-            model.load_state_dict(state["model"])
+            if is_sharded_checkpoint(name_or_path):
+                load_sharded(name_or_path, model)
+            else:
+                model.load_state_dict(state["model"])
         except (TypeError, RuntimeError) as e:  # a config or weights that are not this GPT's
-            raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({_first_line(e)})") from None
+            raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
         return model
     try:
         return GPT.from_pretrained(name_or_path)
     except (OSError, ValueError, RuntimeError) as e:  # unknown name, offline, not a GPT-2 directory
-        raise CheckpointError(f"cannot load {name_or_path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot load {name_or_path}: {first_line(e)}") from None
 
 
-def _first_line(error):
+def first_line(error):
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv=None):
+    """python checkpoint.py SHARDED_DIR OUT.pt: a sharded checkpoint as the one-file kind, in one
+    process: hellaswag.py, sample.py, export_hf.py read either, and a run resumes from either."""
+    import argparse
+    from cli import Parser
+    parser = Parser(prog="checkpoint.py", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sharded", help="a ckpt_XXXXXX/ directory that train_gpt2.py --fsdp 1 wrote")
+    parser.add_argument("out", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    if not is_sharded_checkpoint(args.sharded):
+        parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
+    try:
+        state = load_checkpoint(args.sharded)
+        model = GPT(GPTConfig(**state["config"]))
+        optimizer = model.configure_optimizers(0.0, 0.0, "cpu", fused=False)  # the groups' values come from the checkpoint
+        load_sharded(args.sharded, model, optimizer)
+    except (CheckpointError, TypeError, RuntimeError, OSError) as e:
+        parser.fail(f"{args.sharded}: {first_line(e)}")
+    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    if not save_checkpoint(args.out, state):
+        sys.exit(1)
+    print(f"wrote {args.out}: step {state['step']}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -214,23 +214,29 @@ def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
         yield [key for key, _ in batch], total.cpu(), mean.cpu()
 
 
-def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False):
+def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False,
+             equal_shares=False):
     """Scores this rank's share, examples[rank::world_size], and returns its LOCAL counts
     {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
-    given: the caller puts it on device and in eval mode."""
-    examples = examples[rank::world_size]
-    labels = torch.tensor([e["label"] for e in examples])
-    sum_loss, mean_loss = torch.zeros(len(examples), N_ENDINGS), torch.zeros(len(examples), N_ENDINGS)
-    rows_left = [N_ENDINGS] * len(examples)
+    given: the caller puts it on device and in eval mode. equal_shares: every rank runs as many
+    forward passes (under FSDP each one gathers weights from all ranks), a short share being
+    padded with repeats of an example that are scored but not counted."""
+    share = examples[rank::world_size]
+    n = len(share)
+    if equal_shares:
+        share = share + (share or examples)[:1] * (-(-len(examples) // world_size) - n)
+    labels = torch.tensor([e["label"] for e in share])
+    sum_loss, mean_loss = torch.zeros(len(share), N_ENDINGS), torch.zeros(len(share), N_ENDINGS)
+    rows_left = [N_ENDINGS] * len(share)
     done = correct = correct_norm = 0
-    bar = tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress)
-    for keys, total, mean in score_batches(model, examples, device, batch_size, dtype):
+    bar = tqdm(total=n, unit="ex", desc="hellaswag", disable=not progress)
+    for keys, total, mean in score_batches(model, share, device, batch_size, dtype):
         i, j = torch.tensor(keys).T
         sum_loss[i, j], mean_loss[i, j] = total, mean
-        finished = []  # examples whose last row was in this batch
+        finished = []  # counted examples whose last row was in this batch
         for example, _ in keys:
             rows_left[example] -= 1
-            if rows_left[example] == 0:
+            if rows_left[example] == 0 and example < n:
                 finished.append(example)
         correct += (sum_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
         correct_norm += (mean_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
@@ -238,7 +244,7 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
         bar.set_postfix(acc_norm=f"{correct_norm / max(done, 1):.4f}", refresh=False)
         bar.update(len(finished))
     bar.close()
-    return {"n": len(examples), "correct": correct, "correct_norm": correct_norm}
+    return {"n": n, "correct": correct, "correct_norm": correct_norm}
 
 
 # -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -21,12 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
+import sharding
 from atomic import atomic_open
-from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_path, find_resume, load_model,
-                        prune_checkpoints, restore_training, save_checkpoint, training_state)
+import checkpoint
+from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, load_model,
+                        prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
@@ -85,6 +91,11 @@ def build_parser(add_help=True):
     a("--sample_interval", type=int, default=250, help="print samples every N steps and at the end (0: never)")
     a("--checkpoint_interval", type=int, default=5000, help="checkpoint every N steps and at the end (0: only at the end)")
     a("--keep_last", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
+    a("--fsdp", type=int, default=0, choices=[0, 1],
+      help="shard parameters, gradients and AdamW's state over the ranks (FSDP2), for models that do not fit "
+           "under DDP; checkpoints are then sharded directories")
+    a("--async_checkpoint", action="store_true",
+      help="with --fsdp 1, write checkpoints in the background while training goes on")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
     a("--device", default="auto",
       help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:K (one process only: under torchrun each takes cuda:LOCAL_RANK), mps")
@@ -225,7 +236,7 @@ def train_step(t, loader, lr, stop_requested=False, poison=None):
     if dist.is_initialized():
         dist.all_reduce(status)
     t.scaler.unscale_(t.optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.grad_clip or math.inf)
+    norm = clip_grad_norm(t.raw_model.parameters(), t.grad_clip)
     loss_sum, stop_votes, norm = torch.cat([status, norm.reshape(1)]).tolist()
     loss = loss_sum / (dist.get_world_size() if dist.is_initialized() else 1)
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
@@ -239,26 +250,46 @@ def train_step(t, loader, lr, stop_requested=False, poison=None):
     return StepResult(loss, norm, lr, skipped, stop_votes > 0)
 
 
+def clip_grad_norm(params, max_norm):
+    """Clips the gradients to max_norm (0: no clipping) and returns their norm before clipping, that
+    of the whole gradient: under FSDP each rank holds shards, and the norm is over all of them."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, norm, foreach=True)
+    return norm
+
+
 def to_device(t, device):
     # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
     return t.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else t.to(device)
 
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
-                    compile_mode=None, fused_adamw=None, attention="auto"):
-    """The Trainable of a GPT already on device: AdamW (fused on CUDA unless fused_adamw=False), DDP
-    across ranks, then torch.compile in compile_mode (None: eager). Compiling the DDP wrapper, not the
-    model inside it, lets dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket
-    overlaps the backward of the rest instead of waiting for all of it."""
+                    compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None):
+    """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
+    (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
+    DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
+    sharded over the ranks (see sharding.py), and built on the meta device when init is its
+    recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
+    fused_adamw=False."""
+    if fsdp:
+        model = sharding.shard(raw_model, dtype, compile_mode)
+        if init is not None:
+            sharding.materialize(raw_model, init, device)
+    else:
+        model = raw_model
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
+            model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
+                        gradient_as_bucket_view=True)
+        if compile_mode is not None:
+            model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
     optimizer = raw_model.configure_optimizers(weight_decay, lr, device.split(":")[0], fused=fused_adamw)
-    model = raw_model
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
-        model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
-                    gradient_as_bucket_view=True)
-    if compile_mode is not None:
-        model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
-    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=dtype == torch.float16)
+    # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
+    scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
     return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, attention)
 
 
@@ -295,6 +326,7 @@ def train(args):
                 save(run, step)
                 log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
                 break
+    wait_for_checkpoint(run)
     if dist.is_initialized():
         # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
         # the run finished while the checkpoint it would resume from is still being written.
@@ -332,7 +364,9 @@ def evaluate(run, step):
 
 
 def write_samples(run, step):
-    if run.rank == 0:
+    """Samples, logged by rank 0. Under FSDP every forward gathers weights from every rank: all
+    ranks sample alike (the same seed), and rank 0 logs."""
+    if run.rank == 0 or run.args.fsdp:
         texts = sample_texts(run.trainable, seed=run.args.seed + step)
         run.log("\n".join(f"sample {i}: {t}" for i, t in enumerate(texts)))
         run.run_log.write(step=step, tokens=step * run.args.total_batch_size, samples=texts)
@@ -340,16 +374,69 @@ def write_samples(run, step):
 
 def save(run, step):
     """Checkpoints step, refusing weights that are not finite. Every rank takes part, so that a
-    refusal stops them all at once rather than leaving the others waiting at the next collective."""
+    refusal stops them all at once rather than leaving the others waiting at the next collective:
+    under DDP rank 0 writes one file, under FSDP every rank its shards."""
     t = run.trainable
-    finite = bool(torch.stack([p.isfinite().all() for p in t.raw_model.parameters()]).all())
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in t.raw_model.parameters()]
+    finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
     agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
-    if run.rank == 0:
+    if run.args.fsdp:
+        save_sharded(run, step)
+    elif run.rank == 0:
         path = checkpoint_path(run.args.log_dir, step)
         state = training_state(t.raw_model, t.optimizer, t.scaler, step, run.train_loader, run.args)
         if save_checkpoint(path, state):
             prune_checkpoints(run.args.log_dir, run.args.keep_last)
             run.log(f"saved {path}")
+
+
+def save_sharded(run, step):
+    """A sharded checkpoint of step, written by every rank; with --async_checkpoint in the
+    background, once the previous one is complete. A disk without room for any rank's shards, or
+    a failed write, is a warning on every rank, and training goes on."""
+    wait_for_checkpoint(run)
+    t, path = run.trainable, checkpoint_path(run.args.log_dir, step, sharded=True)
+    state = run_state(t.raw_model, t.scaler, step, run.train_loader, run.args)
+    room = agree_on_room(run.args.log_dir, [t.raw_model.state_dict(), t.optimizer.state_dict()])
+    if room is not None:
+        print(f"warning: skipping checkpoint {path}: {room}", file=sys.stderr)
+        return
+    try:
+        future = checkpoint.save_sharded(path, t.raw_model, t.optimizer, state, async_save=run.args.async_checkpoint)
+    except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
+        print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+        return
+    run.pending_checkpoint = (path, future)
+    if future is None:
+        wait_for_checkpoint(run)
+
+
+def wait_for_checkpoint(run):
+    """Waits until the checkpoint being written, if any, is complete and in place."""
+    if run.pending_checkpoint is None:
+        return
+    (path, future), run.pending_checkpoint = run.pending_checkpoint, None
+    try:
+        if future is not None:
+            future.result()
+            if dist.is_initialized():
+                dist.barrier()  # rank 0 has renamed it into place
+    except (OSError, CheckpointException) as e:
+        print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+        return
+    if run.rank == 0:
+        prune_checkpoints(run.args.log_dir, run.args.keep_last)
+    run.log(f"saved {path}")
+
+
+def agree_on_room(log_dir, states):
+    """None if every rank's disk has room for its shards of states, else why not (on every rank)."""
+    need = 1.1 * sum(t.numel() * t.element_size() for t in checkpoint.tensors_in(states)) + (1 << 20)
+    free = shutil.disk_usage(log_dir).free
+    short = [f"{free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed" for free, need in every_rank((free, need))
+             if free < need]
+    return short[0] if short else None
+
 
 
 # ----------------------------------------------------------------------------- setup
@@ -370,6 +457,7 @@ class Run:
     run_log: "RunLog"
     flops_per_step: float
     peak_flops: float  # None where unknown: no MFU
+    pending_checkpoint: tuple = None  # (path, future) of a sharded checkpoint still being written
 
 
 def setup(args):
@@ -389,7 +477,11 @@ def setup(args):
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     on_every_rank(make_log_dir, args.log_dir)
     mirrors = on_every_rank(log_mirrors, args, rank == 0)
-    raw_model = build_model(args, log).to(device)
+    if args.fsdp and not dist.is_initialized():
+        raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
+    if args.async_checkpoint and not args.fsdp:
+        raise RunError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+    raw_model, init = build_model(args, device, log)
     if args.seq_len > raw_model.config.block_size:
         raise RunError(f"--seq_len {args.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
     on_every_rank(ensure_demo_shards, args, rank, log)
@@ -397,7 +489,8 @@ def setup(args):
     hellaswag_examples = load_hellaswag(args, local_rank, log)
     compile_mode = args.compile_mode if resolve_compile(args.compile, device_type, log) else None
     t = build_trainable(raw_model, device, pick_dtype(args.dtype, device_type), grad_accum_steps, args.grad_clip,
-                        args.weight_decay, args.max_lr, compile_mode, attention=args.attention)
+                        args.weight_decay, args.max_lr, compile_mode, attention=args.attention, fsdp=bool(args.fsdp),
+                        init=init)
     start_step = resume(args, t, train_loader, log)
     evaluate_only = start_step >= args.max_steps
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
@@ -502,15 +595,18 @@ def make_log_dir(log_dir):
         raise RunError(f"--log_dir {log_dir}: cannot make it ({e.strerror})") from None
 
 
-def build_model(args, log):
-    """A GPT of the model flags, randomly initialised, or the weights of anything load_model takes
-    (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture then wins."""
+def build_model(args, device, log):
+    """(model, init): a GPT of the model flags, randomly initialised, or the weights of anything
+    load_model takes (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture
+    then wins, on device. Under FSDP a random one is built on the meta device instead, to be
+    materialized shard by shard from init, its recorded initialisation (see sharding.py)."""
     if args.init_from == "scratch":
-        return GPT(GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
-                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+        config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
+                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        return sharding.build_on_meta(config) if args.fsdp else (GPT(config).to(device), None)
     log(f"initialising from {args.init_from}")
     try:
-        return load_model(args.init_from)
+        return load_model(args.init_from).to(device), None
     except CheckpointError as e:
         raise RunError(f"--init_from: {e}") from None
 
@@ -627,7 +723,10 @@ def hellaswag_accuracy(t, examples, rank, world_size):
     """(acc, acc_norm, n) with the examples split across ranks and the counts summed. Through the
     plain module: its shapes change from batch to batch, which would recompile a compiled one."""
     t.raw_model.eval()
-    counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size)
+    fsdp = sharding.is_sharded(t.raw_model)
+    with sharding.root_gathered(t.raw_model):
+        counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size,
+                                    equal_shares=fsdp)
     t.raw_model.train()
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=t.device, dtype=torch.long)
     if dist.is_initialized():
