@@ -35,6 +35,16 @@ PRETRAINED = {
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+def padding_mask(n_pad, start, T):
+    """(B, 1, T, start + T), True where the query at position start + i may attend to key j:
+    j <= start + i, and j is not one of the row's n_pad leading pads. A pad attends to itself,
+    so that no row of the softmax is empty (NaN, which would reach every later position)."""
+    query = torch.arange(start, start + T, device=n_pad.device)[:, None]
+    key = torch.arange(start + T, device=n_pad.device)
+    real = key >= n_pad[:, None, None]  # (B, 1, start + T)
+    return ((key <= query) & (real | (key == query)))[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -47,9 +57,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_PROJECTION = True
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, mask=None):
         """kv_cache: this layer's [keys, values] of earlier positions, extended in place
-        (generation only). New queries attend to every cached position."""
+        (generation only). mask (B, 1, T, positions), True where a query may attend: only for
+        left-padded batches; without it attention is causal over the cache and the new tokens."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
@@ -60,9 +71,10 @@ class CausalSelfAttention(nn.Module):
                 k = torch.cat([kv_cache[0], k], dim=2)
                 v = torch.cat([kv_cache[1], v], dim=2)
             kv_cache[:] = [k, v]
-        # Flash attention; a lone new query may see every earlier position, so needs no mask.
+        # Flash attention; a lone new query may see every earlier position, so needs no mask. An
+        # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=T > 1, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -89,8 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, kv_cache=None, mask=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -127,17 +139,21 @@ class GPT(nn.Module):
         """Ids the model may emit: the vocabulary less the rows padded on for speed."""
         return min(self.config.vocab_size, N_VOCAB)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, n_pad=None):
         """idx (B, T) token ids -> logits (B, T, n_tokens) and the mean cross-entropy
-        against targets (B, T), where a target of -1 is ignored. kv_cache: see generate()."""
-        logits = self.head(self.hidden_states(idx, kv_cache))
+        against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states."""
+        logits = self.head(self.hidden_states(idx, kv_cache, n_pad))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def hidden_states(self, idx, kv_cache=None):
-        """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads."""
+    def hidden_states(self, idx, kv_cache=None, n_pad=None):
+        """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads.
+        kv_cache: a list of one [] per layer, each extended with that layer's keys and values, so a
+        later call feeds only the new tokens (generation). n_pad (B,): how many of each row's first
+        positions are left padding (generation of prompts of several lengths); a row's positions
+        count from its first real token, and no position attends to padding."""
         B, T = idx.size()
         start = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         if start + T > self.config.block_size:
@@ -149,9 +165,13 @@ class GPT(nn.Module):
             f"token id out of range [0, {self.config.vocab_size})",
         )
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        mask = None
+        if n_pad is not None:
+            mask = padding_mask(n_pad, start, T)
+            pos = (pos - n_pad[:, None]).clamp(min=0)  # (B, T); the padding's own positions do not matter
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache[i] if kv_cache is not None else None)
+            x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)
 
     def head(self, x):
