@@ -2,13 +2,13 @@
 equal to Hugging Face's GPT2LMHeadModel so weights move between the two freely.
 """
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import generate
 from tokenizer import N_VOCAB
 
 
@@ -180,30 +180,14 @@ class GPT(nn.Module):
         the loss nor sampling. A caller that needs few positions' logits passes only those."""
         return self.lm_head(x)[..., : self.n_tokens]
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None):
-        """Continue idx (B, T) by max_new_tokens sampled tokens. temperature=0 is greedy."""
-        new_tokens = self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, generator)
-        return torch.cat([idx, *new_tokens], dim=1)
-
-    @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None):
-        """generate(), one step at a time: yields each new token (B, 1) as soon as it is
-        sampled, so a caller can print it, or stop early by no longer asking for more.
-
-        A KV cache makes each new token cost one position. Once the sequence outgrows
-        block_size the window slides, every position embedding shifts, and the window
-        is recomputed from scratch: the same tokens as the cache-free computation."""
-        kv_cache = [[] for _ in self.transformer.h]
-        new_input = idx[:, -self.config.block_size:]
-        for _ in range(max_new_tokens):
-            if kv_cache[0] and kv_cache[0][0].size(2) + 1 > self.config.block_size:
-                kv_cache = [[] for _ in self.transformer.h]
-                new_input = idx[:, -self.config.block_size:]
-            logits, _ = self(new_input, kv_cache=kv_cache)
-            new_input = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
-            idx = torch.cat((idx, new_input), dim=1)
-            yield new_input
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None, n_pad=None,
+                 **options):
+        """Continue each row of idx (B, T) by up to max_new_tokens tokens: sampled, or greedy at
+        temperature 0; options (decode="beam", num_beams, ...) and n_pad (B,), the left
+        padding of each row, as in generate.py. Returns the prompts and their continuations."""
+        config = generate.GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                           top_p=top_p, **options)
+        return generate.generate(self, idx, config, n_pad, generator)
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None):
         """AdamW as GPT-2/3: matrices and embeddings decay; biases and LayerNorm gains do not."""
@@ -277,35 +261,3 @@ class GPT(nn.Module):
                 tensor = tensor[: self.n_tokens]
             hf_sd[key] = tensor
         return hf_sd
-
-
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, V) -> (B, 1) token ids: greedy at temperature 0, otherwise sampled
-    from the top_k most likely ids and the top_p nucleus of them."""
-    # A temperature below float32's normal numbers leaves only the best id any probability
-    # (rounded to 0, it would even divide 0 by 0): that is greedy.
-    if temperature < torch.finfo(torch.float32).tiny:
-        return logits.argmax(dim=-1, keepdim=True)
-    # The best logit is moved to 0 before dividing, so no small temperature makes one overflow
-    # to inf, or all of them to -inf (either makes the softmax NaN); the others go at worst to
-    # -inf, probability 0.
-    logits = logits.float()
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = truncate_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def truncate_logits(logits, top_k=None, top_p=None):
-    """logits (B, V) with every id outside the top_k and outside the top_p nucleus set to -inf."""
-    if top_k is not None:
-        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth_best, -math.inf)
-    # top_p=1 keeps every id: the float32 cumulative sum reaches 1 before the last ids, whose
-    # mass is below its rounding, and the rule below would drop them.
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop an id once the ids before it already hold top_p of the mass (the best always stays).
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -math.inf)
-    return logits

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_hf_gpt2, make_tiny_gpt
-from model import GPT, GPTConfig, sample_next_token, truncate_logits
+from generate import sample_next_token, truncate_logits
+from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
