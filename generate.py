@@ -38,6 +38,7 @@ class GenerationConfig:
     early_stopping: bool | str = False  # beam: True, False or "never"
     num_return_sequences: int = 1  # samples per prompt, or its best hypotheses in beam search
     eos_token_id: int | None = None  # ends a row; None: every row runs max_new_tokens
+    use_cache: bool = True  # False: every step recomputes every position (slower; the same ids)
 
     def __post_init__(self):
         """ValueError naming the first field that is out of range (its message starts with the name)."""
@@ -101,18 +102,23 @@ def generate_stream(model, idx, config, n_pad=None, generator=None):
         yield from greedy_or_sample(model, idx, config, n_pad, generator)
 
 
+def new_cache(model, config):
+    """An empty KV cache (one [] a layer, filled by the model), or None without use_cache."""
+    return [[] for _ in model.transformer.h] if config.use_cache else None
+
+
 def next_logits(model, seqs, n_pad, kv_cache):
     """Float32 logits (N, V) of the id after each row of seqs, feeding the model only what
-    kv_cache lacks. Past block_size the window slides, as in a model without a cache: the
-    cache is emptied and the last block_size positions recomputed, their positions counted
-    again from each row's first token in the window. The window is each row's own last
-    block_size tokens: padding sits left of a row's tokens, so it is in the window only
-    while the row is shorter than the window (and it is masked there)."""
+    kv_cache lacks (everything when kv_cache is None). Past block_size the window slides, as
+    in a model without a cache: the cache is emptied and the last block_size positions
+    recomputed, their positions counted again from each row's first token in the window. The
+    window is each row's own last block_size tokens: padding sits left of a row's tokens, so
+    it is in the window only while the row is shorter than the window (and masked there)."""
     block_size = model.config.block_size
-    if kv_cache[0] and seqs.size(1) <= block_size:
+    if kv_cache and kv_cache[0] and seqs.size(1) <= block_size:
         new = seqs[:, -1:]
     else:
-        for layer in kv_cache:
+        for layer in kv_cache or ():
             layer.clear()
         new = seqs[:, -block_size:]
         if n_pad is not None:
@@ -191,7 +197,7 @@ def greedy_or_sample(model, idx, config, n_pad, generator):
     n_pad = n_pad.repeat_interleave(n) if n_pad is not None else None
     finished = torch.zeros(seqs.size(0), dtype=torch.bool, device=idx.device)
     reported = torch.zeros(idx.size(0), dtype=torch.bool)
-    kv_cache = [[] for _ in model.transformer.h]
+    kv_cache = new_cache(model, config)
     for step in range(config.max_new_tokens):
         logits = penalize(next_logits(model, seqs, n_pad, kv_cache), seqs, n_pad, step, config)
         if config.decode == "greedy":
@@ -232,7 +238,7 @@ def beam_search(model, idx, config, n_pad):
     hyps = torch.full((B, beams, T + config.max_new_tokens), fill, device=idx.device)
     hyp_scores = torch.full((B, beams), -math.inf, device=idx.device)
     reported = torch.zeros(B, dtype=torch.bool)
-    kv_cache = [[] for _ in model.transformer.h]
+    kv_cache = new_cache(model, config)
     for step in range(config.max_new_tokens):
         log_probs = F.log_softmax(next_logits(model, seqs, n_pad, kv_cache), dim=-1)
         log_probs = penalize(log_probs, seqs, n_pad, step, config)
@@ -248,7 +254,7 @@ def beam_search(model, idx, config, n_pad):
         running, keep = (scores - 1e9 * ends).topk(beams)
         seqs = candidates.gather(1, keep[..., None].expand(B, beams, L + 1)).flatten(0, 1)
         rows = (beam.gather(1, keep) + beams * torch.arange(B, device=idx.device)[:, None]).flatten()
-        for layer in kv_cache:
+        for layer in kv_cache or ():
             layer[:] = [t[rows] for t in layer]
 
         # Candidates that end among the best `beams` become hypotheses; the best `beams` are kept.
