@@ -94,6 +94,8 @@ def generate_stream(model, idx, config, n_pad=None, generator=None):
     with eos_token_id when it stopped there. generator: a torch.Generator that all sampling
     draws from, or a list of one per prompt, so that a prompt's samples are the same in any
     batch as alone (None: torch's default generator)."""
+    if isinstance(generator, (list, tuple)) and len(generator) != idx.size(0):
+        raise ValueError(f"{len(generator)} generators for {idx.size(0)} prompts: one a prompt")
     if n_pad is not None and not n_pad.any():
         n_pad = None  # no padding: attention stays SDPA's plain causal kernel
     if config.decode == "beam":
@@ -274,8 +276,7 @@ def beam_search(model, idx, config, n_pad):
         done = (worst > -math.inf) & ((config.early_stopping is True) | (best_possible <= worst))
         done = done.cpu() | (step + 1 == config.max_new_tokens)
         for i in (done & ~reported).nonzero().flatten().tolist():
-            rows = hyps[i, : config.num_return_sequences, T:].tolist()
-            yield i, [until_eos(row, eos) for row in rows]
+            yield i, [until_eos(row, eos) for row in hyps[i, : config.num_return_sequences, T:].tolist()]
         reported |= done
         if reported.all():
             return

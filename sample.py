@@ -117,9 +117,10 @@ def read_prompts(path):
     return text.removesuffix("\n").split("\n")
 
 
-def print_result(i, n_prompts, prompt, texts):
+def print_result(i, n_prompts, prompt, texts, kind):
+    """Prompt i's texts, each after the prompt, under a header where there are several."""
     for j, text in enumerate(texts):
-        labels = [f"prompt {i + 1}/{n_prompts}"] * (n_prompts > 1) + [f"sample {j + 1}/{len(texts)}"] * (len(texts) > 1)
+        labels = [f"prompt {i + 1}/{n_prompts}"] * (n_prompts > 1) + [f"{kind} {j + 1}/{len(texts)}"] * (len(texts) > 1)
         if labels:
             print(f"--- {', '.join(labels)} ---")
         print(prompt + text, flush=True)
@@ -157,7 +158,7 @@ def main(argv=None):
     for i, outputs in generate_stream(model, idx, config, n_pad, generators):
         # The text is what the model wrote: without the <|endoftext|> that ended it (the ids keep it).
         texts = [enc.decode(ids[:-1] if config.eos_token_id is not None and ids[-1] == EOT else ids) for ids in outputs]
-        print_result(i, len(prompts), prompts[i], texts)
+        print_result(i, len(prompts), prompts[i], texts, "beam" if config.decode == "beam" else "sample")
         results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
     if args.json:
         try:

@@ -109,6 +109,8 @@ def test_a_prompts_samples_are_the_same_in_a_batch_as_alone(models):
         alone = ours(model, [prompt], [torch.Generator().manual_seed(10 + i)], **options)
         assert outputs(alone, len(prompt)) == batched[3 * i: 3 * i + 3]
     assert len({str(rows) for rows in batched}) == len(batched)  # samples, not copies
+    with pytest.raises(ValueError, match="^3 generators for 4 prompts: one a prompt"):
+        ours(model, prompts, [torch.Generator()] * 3, **options)
 
 
 @pytest.mark.parametrize("options", [

@@ -163,8 +163,10 @@ def test_a_prompts_file_is_one_batch_whose_results_are_each_prompt_alone(eot_mod
         sample.main([*common, "--prompt", prompt, "--seed", str(100 + i), "--json", str(tmp_path / "alone.json")])
         alone = json.loads((tmp_path / "alone.json").read_text())["results"][0]
         assert alone == batch["results"][i]
-        for text in alone["outputs"]:
-            assert f"\n{prompt}{text}\n" in "\n" + printed
+        kind = "beam" if "beam_search" in flags else "sample"
+        for j, text in enumerate(alone["outputs"]):
+            header = f"--- prompt {i + 1}/{len(PROMPTS)}" + (f", {kind} {j + 1}/2" if len(alone["outputs"]) > 1 else "")
+            assert f"{header} ---\n{prompt}{text}\n" in printed
     results = batch["results"]
     assert any(ids[-1] == EOT and len(ids) < 8 for r in results for ids in r["output_ids"])  # some ended early
     for r in results:
