@@ -1,6 +1,6 @@
-"""Benchmarks: training, tokenizing, the data loader and HellaSwag scoring, each measured
-beside a plain baseline in the same run, so every number is also a ratio, and the device's
-dense matmul rate, the ceiling the FLOP rates are read against. It asserts nothing.
+"""Benchmarks: training, tokenizing, the data loader, HellaSwag scoring and generation, each
+measured beside a plain baseline in the same run, so every number is also a ratio, and the
+device's dense matmul rate, the ceiling the FLOP rates are read against. It asserts nothing.
 
     python bench.py                                   # GPT-2 (124M) sizes on a GPU, small ones on a CPU
     python bench.py --quick                           # every part, tiny, well under a minute on 2 cores
@@ -29,15 +29,16 @@ import torch
 from torch.nn import functional as F
 
 import fineweb
+import generate
 import hellaswag
 from atomic import atomic_open, check_writable
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PRETRAINED
 from tokenizer import EOT, N_VOCAB, get_encoding
 from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 from train_gpt2 import build_trainable, train_step
 
-PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag")
+PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 # What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
 # rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
@@ -403,6 +404,40 @@ def bench_hellaswag(args, device, record):
                     config=config.format(batch_size if variant == "batched" else 1)))
 
 
+# ----------------------------------------------------------------------------- generate
+
+def bench_generate(args, device, record):
+    """New tokens per second of greedy generation for 16 prompts of 8 to 40 tokens: as one
+    left-padded batch and one prompt after another, each with the KV cache and without it
+    (every step recomputes every position). Every prompt gets max_new_tokens new tokens: no
+    end-of-text stops one early, so all four do the same work."""
+    device_type = device.split(":")[0]
+    size, max_new_tokens = (dict(n_layer=2, n_head=2, n_embd=64), 4) if args.quick else (PRETRAINED["gpt2"], 32)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**size)).to(device).eval()
+    dtype = pick_dtype(args.dtype, device_type)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(N_VOCAB) for _ in range(rng.randint(8, 40))] for _ in range(16)]
+    batch = generate.left_pad(prompts, EOT, device)
+    alone = [torch.tensor([prompt], device=device) for prompt in prompts]
+
+    def run(batched, use_cache):  # the ids come back to the host: no pending device work
+        config = generate.GenerationConfig(decode="greedy", max_new_tokens=max_new_tokens, use_cache=use_cache)
+        with autocast(device_type, dtype):
+            for idx, n_pad in [batch] if batched else [(idx, None) for idx in alone]:
+                generate.generate(model, idx, config, n_pad)
+    run(True, True)  # warm-up: allocations, kernel choice
+    config = f"L{size['n_layer']} C{size['n_embd']}, 16 prompts of 8-40 tokens, {max_new_tokens} new tokens each"
+    for use_cache in (True, False):
+        for batched in (True, False):
+            if args.baseline or (batched and use_cache):
+                t0 = time.perf_counter()
+                run(batched, use_cache)
+                record(dict(name="generate", variant="batched" if batched else "unbatched",
+                            **({} if use_cache else {"lever": "-kv_cache"}), config=config,
+                            tokens_per_sec=16 * max_new_tokens / (time.perf_counter() - t0)))
+
+
 # ----------------------------------------------------------------------------- report
 
 def fmt(value, unit=""):
@@ -483,6 +518,8 @@ def main(argv=None):
             bench_loader(args, workdir, record)
         if "hellaswag" in args.parts:
             bench_hellaswag(args, device, record)
+        if "generate" in args.parts:
+            bench_generate(args, device, record)
     print_table(report["results"])
 
 

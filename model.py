@@ -2,13 +2,13 @@
 equal to Hugging Face's GPT2LMHeadModel so weights move between the two freely.
 """
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import generate
 from tokenizer import N_VOCAB
 
 
@@ -35,6 +35,16 @@ PRETRAINED = {
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+def padding_mask(n_pad, start, T):
+    """(B, 1, T, start + T), True where the query at position start + i may attend to key j:
+    j <= start + i, and j is not one of the row's n_pad leading pads. A pad attends to itself,
+    so that no row of the softmax is empty (NaN, which would reach every later position)."""
+    query = torch.arange(start, start + T, device=n_pad.device)[:, None]
+    key = torch.arange(start + T, device=n_pad.device)
+    real = key >= n_pad[:, None, None]  # (B, 1, start + T)
+    return ((key <= query) & (real | (key == query)))[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -47,9 +57,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.RESIDUAL_PROJECTION = True
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, mask=None):
         """kv_cache: this layer's [keys, values] of earlier positions, extended in place
-        (generation only). New queries attend to every cached position."""
+        (generation only). mask (B, 1, T, positions), True where a query may attend: only for
+        left-padded batches; without it attention is causal over the cache and the new tokens."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
@@ -60,9 +71,10 @@ class CausalSelfAttention(nn.Module):
                 k = torch.cat([kv_cache[0], k], dim=2)
                 v = torch.cat([kv_cache[1], v], dim=2)
             kv_cache[:] = [k, v]
-        # Flash attention; a lone new query may see every earlier position, so needs no mask.
+        # Flash attention; a lone new query may see every earlier position, so needs no mask. An
+        # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=T > 1, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -89,8 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, kv_cache=None, mask=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -127,17 +139,21 @@ class GPT(nn.Module):
         """Ids the model may emit: the vocabulary less the rows padded on for speed."""
         return min(self.config.vocab_size, N_VOCAB)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, n_pad=None):
         """idx (B, T) token ids -> logits (B, T, n_tokens) and the mean cross-entropy
-        against targets (B, T), where a target of -1 is ignored. kv_cache: see generate()."""
-        logits = self.head(self.hidden_states(idx, kv_cache))
+        against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states."""
+        logits = self.head(self.hidden_states(idx, kv_cache, n_pad))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def hidden_states(self, idx, kv_cache=None):
-        """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads."""
+    def hidden_states(self, idx, kv_cache=None, n_pad=None):
+        """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads.
+        kv_cache: a list of one [] per layer, each extended with that layer's keys and values, so a
+        later call feeds only the new tokens (generation). n_pad (B,): how many of each row's first
+        positions are left padding (generation of prompts of several lengths); a row's positions
+        count from its first real token, and no position attends to padding."""
         B, T = idx.size()
         start = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
         if start + T > self.config.block_size:
@@ -149,9 +165,13 @@ class GPT(nn.Module):
             f"token id out of range [0, {self.config.vocab_size})",
         )
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        mask = None
+        if n_pad is not None:
+            mask = padding_mask(n_pad, start, T)
+            pos = (pos - n_pad[:, None]).clamp(min=0)  # (B, T); the padding's own positions do not matter
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache[i] if kv_cache is not None else None)
+            x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)
 
     def head(self, x):
@@ -160,30 +180,14 @@ class GPT(nn.Module):
         the loss nor sampling. A caller that needs few positions' logits passes only those."""
         return self.lm_head(x)[..., : self.n_tokens]
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None):
-        """Continue idx (B, T) by max_new_tokens sampled tokens. temperature=0 is greedy."""
-        new_tokens = self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, generator)
-        return torch.cat([idx, *new_tokens], dim=1)
-
-    @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None):
-        """generate(), one step at a time: yields each new token (B, 1) as soon as it is
-        sampled, so a caller can print it, or stop early by no longer asking for more.
-
-        A KV cache makes each new token cost one position. Once the sequence outgrows
-        block_size the window slides, every position embedding shifts, and the window
-        is recomputed from scratch: the same tokens as the cache-free computation."""
-        kv_cache = [[] for _ in self.transformer.h]
-        new_input = idx[:, -self.config.block_size:]
-        for _ in range(max_new_tokens):
-            if kv_cache[0] and kv_cache[0][0].size(2) + 1 > self.config.block_size:
-                kv_cache = [[] for _ in self.transformer.h]
-                new_input = idx[:, -self.config.block_size:]
-            logits, _ = self(new_input, kv_cache=kv_cache)
-            new_input = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
-            idx = torch.cat((idx, new_input), dim=1)
-            yield new_input
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None, n_pad=None,
+                 **options):
+        """Continue each row of idx (B, T) by up to max_new_tokens tokens: sampled, or greedy at
+        temperature 0; options (decode="beam", num_beams, ...) and n_pad (B,), the left
+        padding of each row, as in generate.py. Returns the prompts and their continuations."""
+        config = generate.GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                           top_p=top_p, **options)
+        return generate.generate(self, idx, config, n_pad, generator)
 
     def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None):
         """AdamW as GPT-2/3: matrices and embeddings decay; biases and LayerNorm gains do not."""
@@ -257,35 +261,3 @@ class GPT(nn.Module):
                 tensor = tensor[: self.n_tokens]
             hf_sd[key] = tensor
         return hf_sd
-
-
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, V) -> (B, 1) token ids: greedy at temperature 0, otherwise sampled
-    from the top_k most likely ids and the top_p nucleus of them."""
-    # A temperature below float32's normal numbers leaves only the best id any probability
-    # (rounded to 0, it would even divide 0 by 0): that is greedy.
-    if temperature < torch.finfo(torch.float32).tiny:
-        return logits.argmax(dim=-1, keepdim=True)
-    # The best logit is moved to 0 before dividing, so no small temperature makes one overflow
-    # to inf, or all of them to -inf (either makes the softmax NaN); the others go at worst to
-    # -inf, probability 0.
-    logits = logits.float()
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = truncate_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-def truncate_logits(logits, top_k=None, top_p=None):
-    """logits (B, V) with every id outside the top_k and outside the top_p nucleus set to -inf."""
-    if top_k is not None:
-        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth_best, -math.inf)
-    # top_p=1 keeps every id: the float32 cumulative sum reaches 1 before the last ids, whose
-    # mass is below its rounding, and the rule below would drop them.
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop an id once the ids before it already hold top_p of the mass (the best always stays).
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -math.inf)
-    return logits

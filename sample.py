@@ -1,104 +1,163 @@
-"""Samples text from a model, printing each token as soon as it is generated.
+"""Generates text from a model, with Hugging Face's options: sampling, greedy search or beam
+search, for one prompt or a file of them, run as one batch.
 
     python sample.py --model log/ckpt_019073.pt --prompt "Hello, I'm a language model,"
-    python sample.py --model gpt2 --prompt @prompt.txt --num_samples 1 --top_p 0.9
+    python sample.py --model gpt2 --prompt @prompt.txt --num_return_sequences 1 --top_p 0.9
+    python sample.py --model gpt2 --prompts prompts.txt --decode beam --num_beams 4 --json out.json
 
 --model is anything load_model takes: a checkpoint of train_gpt2.py, a Hugging Face
-GPT-2 directory (export_hf.py writes one), or gpt2 ... gpt2-xl. The samples come one
-after another, each streamed as it grows; generation uses the model's KV cache.
+GPT-2 directory (export_hf.py writes one), or gpt2 ... gpt2-xl. Each prompt's results are
+printed as soon as they are finished; generation uses the model's KV cache.
 """
 import argparse
-import codecs
+import json
 import sys
+from dataclasses import asdict
 
 import torch
 
+from atomic import atomic_open, check_writable
 from cli import Parser, load_model_onto
+from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
 
+DECODE_NAMES = {"sampling": "sampling", "greedy": "greedy", "beam": "beam",
+                "greedy_search": "greedy", "beam_search": "beam"}  # and PaddleFleetX's names
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Sample text from a GPT-2 model, streamed token by token.")
+
+def make_parser():
+    parser = Parser(prog="sample.py", description="Generate text from a GPT-2 model: sampling, greedy or beam search.")
     parser.add_argument("--model", default="gpt2",
                         help="a checkpoint (log/ckpt_XXXXXX.pt), a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
-    parser.add_argument("--prompt", default="Hello, I'm a language model,",
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="Hello, I'm a language model,",
                         help="the text to continue, or @FILE to read it from FILE; empty starts a new document")
-    parser.add_argument("--num_samples", type=int, default=4)
+    prompt.add_argument("--prompts", default=None, metavar="FILE",
+                        help="a file of prompts, one a line, generated as one batch")
+    parser.add_argument("--decode", choices=list(DECODE_NAMES), default=None,
+                        help="default: beam with --num_beams 2 or more, else sampling")
+    parser.add_argument("--num_return_sequences", "--num_samples", type=int, default=None,
+                        help="outputs per prompt: samples, or the best beams (default: 4 samples, 1 beam)")
     parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--min_new_tokens", type=int, default=0, help="<|endoftext|> is masked until this many tokens")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling; 0 is greedy")
     parser.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens; 0 for all")
     parser.add_argument("--top_p", type=float, default=None,
                         help="sample from the fewest most likely tokens that hold this much probability")
-    parser.add_argument("--seed", type=int, default=None, help="the same seed gives the same samples")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0,
+                        help="CTRL's: above 1 makes tokens of the prompt and output less likely")
+    parser.add_argument("--no_repeat_ngram_size", type=int, default=0, help="no n-gram of this size twice; 0 is off")
+    parser.add_argument("--num_beams", type=int, default=1)
+    parser.add_argument("--length_penalty", type=float, default=1.0,
+                        help="beam: a finished beam scores sum(log p) / length ** length_penalty")
+    parser.add_argument("--early_stopping", type=early_stopping, default=False, metavar="{true,false,never}",
+                        help="beam: stop a prompt once it has num_beams finished beams (true), once no beam can "
+                             "improve at its length (false), or at the longest (never)")
+    parser.add_argument("--stop_at_eot", action=argparse.BooleanOptionalAction, default=True,
+                        help="end an output at <|endoftext|>")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the same seed gives the same samples; prompt i (from 0) of --prompts uses seed + i")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto: the best available")
-    parser.add_argument("--stop_at_eot", action="store_true", help="end a sample at <|endoftext|>")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the settings and results here")
+    return parser
+
+
+def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
-    checks = [
-        (args.num_samples >= 1, "--num_samples must be at least 1"),
-        (args.max_new_tokens >= 1, "--max_new_tokens must be at least 1"),
-        (args.temperature >= 0, "--temperature must be 0 (greedy) or more"),
-        (args.top_k >= 0, "--top_k must be 0 (no limit) or more"),
-        (args.top_p is None or 0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
-        (args.seed is None or 0 <= args.seed < 2**64, "--seed must be in [0, 2**64)"),  # torch's seeds are 64-bit
-    ]
-    for ok, message in checks:
-        if not ok:
-            sys.exit(f"error: {message}")
+    if args.top_k < 0:
+        parser.error("--top_k must be 0 (no limit) or more")
+    if args.seed is not None and not 0 <= args.seed < 2**64:  # torch's seeds are 64-bit
+        parser.error("--seed must be in [0, 2**64)")
+    decode = DECODE_NAMES[args.decode] if args.decode else "beam" if args.num_beams > 1 else "sampling"
+    try:
+        args.config = GenerationConfig(
+            decode=decode, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+            num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+            num_return_sequences=args.num_return_sequences if args.num_return_sequences is not None
+            else 4 if decode == "sampling" else 1,
+            eos_token_id=EOT if args.stop_at_eot else None)
+    except ValueError as e:  # its message starts with the option's name, which is the flag's
+        parser.error(f"--{e}")
+    if args.json:
+        try:
+            check_writable(args.json)
+        except OSError as e:
+            parser.fail(f"--json {args.json}: cannot write there ({e.strerror})")
     return args
 
 
+def early_stopping(text):
+    values = {"true": True, "false": False, "never": "never"}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or never")
+    return values[text.lower()]
+
+
 def read_prompt(prompt):
+    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); OSError or UnicodeDecodeError."""
     if not prompt.startswith("@"):
         return prompt
-    try:
-        with open(prompt[1:], encoding="utf-8", newline="") as f:  # as is: \r\n stays \r\n
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: --prompt {prompt}: {e}")
+    with open(prompt[1:], encoding="utf-8", newline="") as f:
+        return f.read()
 
 
-def sample_tokens(model, prompt_ids, args, generator):
-    """The new token ids of one sample, each as soon as the model has sampled it."""
-    idx = torch.tensor([prompt_ids], device=generator.device)
-    top_k = args.top_k or None
-    for token in model.generate_stream(idx, args.max_new_tokens, args.temperature, top_k, args.top_p, generator):
-        token = token.item()
-        if token == EOT and args.stop_at_eot:
-            return
-        yield token
+def read_prompts(path):
+    """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends the last."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text:
+        raise ValueError("the file is empty (one prompt a line)")
+    return text.removesuffix("\n").split("\n")
 
 
-def detokenize(tokens, enc):
-    """Text for a stream of token ids, piece by piece. A character of several UTF-8 bytes may
-    be split across tokens: its first bytes are held back until the rest arrive, and bytes
-    that never make a valid character become U+FFFD, as in enc.decode."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for token in tokens:
-        yield decoder.decode(enc.decode_single_token_bytes(token))
-    yield decoder.decode(b"", final=True)
+def print_result(i, n_prompts, prompt, texts, kind):
+    """Prompt i's texts, each after the prompt, under a header where there are several."""
+    for j, text in enumerate(texts):
+        labels = [f"prompt {i + 1}/{n_prompts}"] * (n_prompts > 1) + [f"{kind} {j + 1}/{len(texts)}"] * (len(texts) > 1)
+        if labels:
+            print(f"--- {', '.join(labels)} ---")
+        print(prompt + text, flush=True)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    prompt = read_prompt(args.prompt)
-    model, device = load_model_onto(Parser(prog="sample.py"), args.model, args.device)
+    parser = make_parser()
+    args = parse_args(parser, argv)
+    config = args.config
+    flag, value = ("--prompts", args.prompts) if args.prompts is not None else ("--prompt", args.prompt)
+    try:
+        prompts = read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        parser.fail(f"{flag} {value}: {e}")
+    model, device = load_model_onto(parser, args.model, args.device)
 
     enc = get_encoding()
     # A prompt may hold <|endoftext|> to separate documents; an empty one starts a new document.
-    prompt_ids = enc.encode(prompt, allowed_special="all") or [EOT]
-    generator = torch.Generator(device)
-    seed = args.seed if args.seed is not None else generator.seed()  # printed, so a run can be repeated
-    generator.manual_seed(seed)
+    prompt_ids = [enc.encode(prompt, allowed_special="all") or [EOT] for prompt in prompts]
+    seed = args.seed if args.seed is not None else torch.Generator().seed()  # printed, so a run can be repeated
+    # One generator a prompt: its samples are the same in any batch as alone (with its seed).
+    generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(len(prompts))]
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {n_params / 1e6:.1f}M parameters on {device}, {len(prompt_ids)} prompt tokens, seed {seed}",
-          file=sys.stderr)
-    for i in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"--- sample {i + 1}/{args.num_samples} ---", flush=True)
-        print(prompt, end="", flush=True)
-        for piece in detokenize(sample_tokens(model, prompt_ids, args, generator), enc):
-            print(piece, end="", flush=True)
-        print(flush=True)
+    lengths = sorted(map(len, prompt_ids))
+    tokens = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    print(f"{args.model}: {n_params / 1e6:.1f}M parameters on {device}, {len(prompts)} prompt(s) of {tokens} tokens, "
+          f"{config.decode}, seed {seed}", file=sys.stderr)
+
+    idx, n_pad = left_pad(prompt_ids, EOT, device)
+    results = [None] * len(prompts)
+    for i, outputs in generate_stream(model, idx, config, n_pad, generators):
+        # The text is what the model wrote: without the <|endoftext|> that ended it (the ids keep it).
+        texts = [enc.decode(ids[:-1] if config.eos_token_id is not None and ids[-1] == EOT else ids) for ids in outputs]
+        print_result(i, len(prompts), prompts[i], texts, "beam" if config.decode == "beam" else "sample")
+        results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
+    if args.json:
+        try:
+            with atomic_open(args.json, "w") as f:
+                json.dump({"settings": {"model": args.model, **asdict(config), "seed": seed}, "results": results}, f,
+                          indent=1)
+        except OSError as e:
+            parser.fail(f"--json {args.json}: cannot write it ({e.strerror}); the results are above")
 
 
 if __name__ == "__main__":

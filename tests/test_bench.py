@@ -9,9 +9,11 @@ import bench
 from conftest import disk_full, run_script
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
-           "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"]}
+           "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
+           "generate": ["tokens_per_sec"]}
 VARIANTS = {"matmul": {"ceiling"}, "train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
-            "loader": {"project", "baseline"}, "hellaswag": {"batched", "unbatched", "baseline"}}
+            "loader": {"project", "baseline"}, "hellaswag": {"batched", "unbatched", "baseline"},
+            "generate": {"batched", "unbatched"}}
 
 
 def test_quick_bench_writes_every_part_and_variant(tmp_path):
@@ -26,8 +28,9 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
         for row in rows:
             assert all(isinstance(row[key], (int, float)) and row[key] >= 0 for key in FIGURES[name]), row
     # On a CPU nothing is compiled and AdamW is not fused: the levers left to switch off.
-    levers = [r["lever"] for r in report["results"] if "lever" in r]
-    assert levers == ["-padded_vocab", "-flash_attention"]
+    levers = [(r["name"], r["lever"]) for r in report["results"] if "lever" in r]
+    assert levers == [("train", "-padded_vocab"), ("train", "-flash_attention"),
+                      ("generate", "-kv_cache"), ("generate", "-kv_cache")]  # batched and unbatched without it
     table = result.stdout.splitlines()
     assert table[0].startswith(report["device"]) and table[1].split()[:2] == ["part", "variant"]
     assert len(table) == 2 + len(report["results"])

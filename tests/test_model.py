@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_hf_gpt2
-from model import GPT, GPTConfig, sample_next_token, truncate_logits
+from conftest import make_hf_gpt2, make_tiny_gpt
+from generate import sample_next_token, truncate_logits
+from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
@@ -271,3 +272,21 @@ def test_kv_cache_sampling_equals_cache_free_past_the_window():
             logits, _ = model(idx[:, -32:])
             idx = torch.cat([idx, sample_next_token(logits[:, -1], generator=generator)], dim=1)
     assert torch.equal(model.generate(prompt, 40, top_k=None, generator=torch.Generator().manual_seed(0)), idx)
+
+
+def test_left_padding_gives_each_row_its_own_logits_through_the_cache():
+    # Rows of 3 and 8 tokens, the first after 5 pads (id 0), then one new token each through the
+    # cache: every real position's logits are its row's alone.
+    model = make_tiny_gpt(vocab_size=50304)
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+    idx, n_pad = torch.tensor([[0] * 5 + prompts[0], prompts[1]]), torch.tensor([5, 0])
+    cache = [[] for _ in model.transformer.h]
+    with torch.no_grad():
+        padded, _ = model(idx, kv_cache=cache, n_pad=n_pad)
+        step, _ = model(torch.tensor([[21], [22]]), kv_cache=cache, n_pad=n_pad)
+        for row, prompt in enumerate(prompts):
+            alone, _ = model(torch.tensor([prompt + [21 + row]]))
+            assert torch.allclose(padded[row, n_pad[row]:], alone[0, :-1], atol=1e-5)
+            assert torch.allclose(step[row, -1], alone[0, -1], atol=1e-5)
+        # No padding at all: the mask's path and the plain causal one agree.
+        assert torch.allclose(model(idx, n_pad=torch.zeros(2, dtype=torch.long))[0], model(idx)[0], atol=1e-5)

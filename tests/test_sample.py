@@ -1,9 +1,13 @@
-"""sample.py: streamed, seeded, KV-cached sampling that never emits a padding id."""
+"""sample.py: seeded sampling, greedy and beam search, one prompt or a batch, never a padding id."""
+import json
+import os
+
 import pytest
 import torch
 
+import generate
 import sample
-from conftest import exit_message, make_tiny_gpt, run_script, save_as_checkpoint
+from conftest import disk_full, exit_message, make_eot_gpt, make_tiny_gpt, run_script, save_as_checkpoint
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 PROMPT = "Once upon a time, ünïcödé"
@@ -25,15 +29,17 @@ def padded(tmp_path_factory):
 
 
 def expected_output(model, prompt, n_samples, max_new_tokens, generator, **sampling):
-    """What sample.py should print: each sample drawn in turn from one generator."""
+    """What sample.py should print: the samples of one prompt, drawn together from one generator."""
     ids = torch.tensor([get_encoding().encode_ordinary(prompt)])
-    out = ""
-    for i in range(n_samples):
-        new = model.generate(ids, max_new_tokens, generator=generator, **sampling)[0, ids.size(1):].tolist()
+    out = model.generate(ids, max_new_tokens, generator=generator, num_return_sequences=n_samples, eos_token_id=EOT,
+                         **sampling)
+    text = ""
+    for i, row in enumerate(out[:, ids.size(1):].tolist()):
+        new = generate.until_eos(row, EOT)
         assert max(new) < N_VOCAB
         header = f"--- sample {i + 1}/{n_samples} ---\n" if n_samples > 1 else ""
-        out += header + prompt + get_encoding().decode_bytes(new).decode("utf-8", errors="replace") + "\n"
-    return out
+        text += header + prompt + get_encoding().decode(new[:-1] if new[-1] == EOT else new) + "\n"
+    return text
 
 
 def test_seeded_samples_repeat_and_read_the_prompt_from_a_file(padded, tmp_path, capsys):
@@ -70,34 +76,23 @@ def test_stop_at_eot(padded, tmp_path, capsys):
     ckpt = save_as_checkpoint(model, tmp_path / "eot.pt")
     flags = ["--model", ckpt, "--prompt", "Hi", "--num_samples", "1", "--top_k", "1", "--max_new_tokens", "3"]
     sample.main(flags)
-    assert capsys.readouterr().out == "Hi" + "<|endoftext|>" * 3 + "\n"
-    sample.main(flags + ["--stop_at_eot"])
     assert capsys.readouterr().out == "Hi\n"
-
-
-def test_streaming_holds_back_partial_characters():
-    enc = get_encoding()
-    text = "日本語 🤖🎉 ünïcödé"
-    tokens = enc.encode_ordinary(text)
-    assert any(not is_utf8(enc.decode_single_token_bytes(t)) for t in tokens)  # some token splits a character
-    pieces = list(sample.detokenize(tokens, enc))
-    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
-    # Bytes that never complete a character come out as U+FFFD, as from enc.decode.
-    robot = enc.encode_ordinary("🤖")
-    assert "".join(sample.detokenize(robot[:1] + enc.encode_ordinary("a"), enc)) == enc.decode(robot[:1] + [64])
-    assert "".join(sample.detokenize(robot[:1], enc)) == enc.decode(robot[:1]) == "\ufffd"  # cut off at the end
-
-
-def is_utf8(b):
-    try:
-        b.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
+    sample.main(flags + ["--no-stop_at_eot"])
+    assert capsys.readouterr().out == "Hi" + "<|endoftext|>" * 3 + "\n"
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num_samples", "0"], "error: --num_samples must be at least 1"),
+    (["--num_samples", "0"], "error: --num_return_sequences must be at least 1"),
+    (["--decode", "beam"], "error: --num_beams must be 2 or more for beam search"),
+    (["--num_beams", "4", "--num_return_sequences", "5"], "error: --num_return_sequences 5 is more than num_beams 4"),
+    (["--decode", "greedy_search", "--num_beams", "4"], "error: --num_beams is for beam search only"),
+    (["--decode", "greedy", "--num_samples", "2"], "error: --num_return_sequences must be 1 in greedy search"),
+    (["--repetition_penalty", "0"], "error: --repetition_penalty must be more than 0"),
+    (["--no_repeat_ngram_size", "-2"], "error: --no_repeat_ngram_size must be 0 (off) or more"),
+    (["--min_new_tokens", "-1"], "error: --min_new_tokens must be 0 or more"),
+    (["--max_new_tokens", "0"], "error: --max_new_tokens must be at least 1"),
+    (["--prompts", "no/such/prompts.txt"], "error: --prompts no/such/prompts.txt: [Errno 2]"),
+    (["--json", "."], "error: --json .: cannot write there (a directory, not a file name)"),
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
     (["--top_k", "-5"], "error: --top_k must be 0 (no limit) or more"),
     (["--top_p", "0"], "error: --top_p must be in (0, 1]"),
@@ -126,10 +121,106 @@ def test_an_empty_prompt_starts_a_document_like_endoftext(padded, prompt, capsys
     sample.main(["--model", ckpt, "--prompt", prompt, "--num_samples", "1", "--max_new_tokens", "8",
                  "--temperature", "0", "--device", "cpu"])
     new = model.generate(torch.tensor([[EOT]]), 8, temperature=0)[0, 1:].tolist()
-    assert capsys.readouterr().out == prompt + get_encoding().decode(new) + "\n"
+    assert EOT not in new and capsys.readouterr().out == prompt + get_encoding().decode(new) + "\n"
 
 
 def test_a_model_without_gpt2s_vocabulary_is_a_one_line_error(tmp_path, capsys):
     ckpt = save_as_checkpoint(make_tiny_gpt(vocab_size=128), tmp_path / "small.pt")
     assert exit_message(capsys, sample.main, "--model", ckpt, "--device", "cpu") == (
         f"sample.py: error: {ckpt}: a vocabulary of 128 cannot hold GPT-2's 50257 token ids")
+
+
+PROMPTS = ["The cat sat on", "Once upon a time, in a land far away, there lived", "", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def eot_model(tmp_path_factory):
+    """(model, checkpoint, prompts file) for a model that often ends its texts early."""
+    tmp = tmp_path_factory.mktemp("batch")
+    model = make_eot_gpt()
+    (tmp / "prompts.txt").write_bytes("\r\n".join(PROMPTS).encode() + b"\n")  # any line ending; a last one
+    return model, save_as_checkpoint(model, tmp / "eot.pt"), str(tmp / "prompts.txt")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--num_samples", "2", "--temperature", "0.6", "--top_k", "20", "--top_p", "0.9"],
+    ["--decode", "greedy", "--repetition_penalty", "1.3", "--no_repeat_ngram_size", "2"],
+    ["--decode", "beam_search", "--num_beams", "3", "--num_return_sequences", "2", "--length_penalty", "0.5",
+     "--early_stopping", "never", "--min_new_tokens", "2"],
+])
+def test_a_prompts_file_is_one_batch_whose_results_are_each_prompt_alone(eot_model, flags, tmp_path, capsys):
+    _, ckpt, prompts_file = eot_model
+    common = ["--model", ckpt, "--max_new_tokens", "8", "--device", "cpu", *flags]
+    sample.main([*common, "--prompts", prompts_file, "--seed", "100", "--json", str(tmp_path / "batch.json")])
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    assert [r["prompt"] for r in batch["results"]] == PROMPTS  # in input order, whatever finished first
+    printed = capsys.readouterr().out
+    for i, prompt in enumerate(PROMPTS):  # prompt i samples with seed 100 + i
+        sample.main([*common, "--prompt", prompt, "--seed", str(100 + i), "--json", str(tmp_path / "alone.json")])
+        alone = json.loads((tmp_path / "alone.json").read_text())["results"][0]
+        assert alone == batch["results"][i]
+        kind = "beam" if "beam_search" in flags else "sample"
+        for j, text in enumerate(alone["outputs"]):
+            header = f"--- prompt {i + 1}/{len(PROMPTS)}" + (f", {kind} {j + 1}/2" if len(alone["outputs"]) > 1 else "")
+            assert f"{header} ---\n{prompt}{text}\n" in printed
+    results = batch["results"]
+    assert any(ids[-1] == EOT and len(ids) < 8 for r in results for ids in r["output_ids"])  # some ended early
+    for r in results:
+        assert [get_encoding().decode(ids[:-1] if ids[-1] == EOT else ids) for ids in r["output_ids"]] == r["outputs"]
+
+
+def test_every_flag_reaches_generation_and_the_json_says_so(eot_model, tmp_path):
+    model, ckpt, prompts_file = eot_model
+    sample.main(["--model", ckpt, "--prompts", prompts_file, "--num_beams", "4", "--num_return_sequences", "3",
+                 "--length_penalty", "-0.5", "--early_stopping", "true", "--min_new_tokens", "3", "--max_new_tokens",
+                 "9", "--repetition_penalty", "1.2", "--no_repeat_ngram_size", "3", "--seed", "5",
+                 "--json", str(tmp_path / "out.json")])
+    report = json.loads((tmp_path / "out.json").read_text())
+    config = generate.GenerationConfig(decode="beam", num_beams=4, num_return_sequences=3, length_penalty=-0.5,
+                                       early_stopping=True, min_new_tokens=3, max_new_tokens=9, repetition_penalty=1.2,
+                                       no_repeat_ngram_size=3, eos_token_id=EOT)
+    assert report["settings"] == {"model": ckpt, **vars(config), "seed": 5}
+    prompt_ids = [get_encoding().encode(p, allowed_special="all") or [EOT] for p in PROMPTS]
+    idx, n_pad = generate.left_pad(prompt_ids, EOT)
+    expected = dict(generate.generate_stream(model, idx, config, n_pad))
+    assert [r["output_ids"] for r in report["results"]] == [expected[i] for i in range(len(PROMPTS))]
+
+
+def test_results_are_printed_as_each_prompt_finishes(eot_model, capsys):
+    model, ckpt, prompts_file = eot_model
+    sample.main(["--model", ckpt, "--prompts", prompts_file, "--decode", "greedy", "--max_new_tokens", "8"])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--- prompt")]
+    prompt_ids = [get_encoding().encode(p, allowed_special="all") or [EOT] for p in PROMPTS]
+    config = generate.GenerationConfig(decode="greedy", max_new_tokens=8, eos_token_id=EOT)
+    idx, n_pad = generate.left_pad(prompt_ids, EOT)
+    finished = [i for i, _ in generate.generate_stream(model, idx, config, n_pad)]
+    assert finished != sorted(finished)  # a later prompt finished first...
+    assert printed == [f"--- prompt {i + 1}/{len(PROMPTS)} ---" for i in finished]  # ... and was printed first
+
+
+def test_a_json_that_cannot_be_written_at_the_end_is_one_line_after_the_results(padded, tmp_path, monkeypatch, capsys):
+    _, ckpt = padded
+    monkeypatch.setattr(sample, "atomic_open", disk_full)
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--model", ckpt, "--prompt", "Hi", "--num_samples", "1", "--max_new_tokens", "4",
+                     "--json", str(tmp_path / "out.json")])
+    printed = capsys.readouterr()
+    assert e.value.code == 1 and printed.err.splitlines()[-1] == (
+        f"sample.py: error: --json {tmp_path / 'out.json'}: cannot write it (No space left on device); "
+        "the results are above")
+    assert printed.out.startswith("Hi") and os.listdir(tmp_path) == []
+
+
+def test_bad_prompt_files_and_flags_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    for prompts, message in [("empty.txt", "the file is empty (one prompt a line)"),
+                             ("latin1.txt", "codec can't decode")]:
+        error = exit_message(capsys, sample.main, "--prompts", tmp_path / prompts, "--device", "cpu")
+        assert error.startswith(f"sample.py: error: --prompts {tmp_path / prompts}: ") and message in error
+    for flags, message in [(["--prompt", "a", "--prompts", "p.txt"], "not allowed with argument"),
+                           (["--early_stopping", "maybe"], "'maybe' is not true, false or never"),
+                           (["--decode", "nucleus"], "invalid choice: 'nucleus'")]:
+        with pytest.raises(SystemExit) as e:
+            sample.main(flags)
+        assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
