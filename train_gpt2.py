@@ -207,20 +207,25 @@ class StepResult:
     grad_norm: float  # before clipping
     lr: float
     skipped: bool  # a non-finite loss or gradient: the weights did not change
-    stop_requested: bool  # some rank was asked to stop (SIGTERM, Ctrl-C)
 
 
-def train_step(t, loader, lr, stop_requested=False, poison=None):
+def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
     """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
-    the last; then the ranks agree on the loss and on stopping, the gradients are unscaled and
-    clipped, and the optimizer steps at lr, unless the loss or gradient is not finite. Returns
-    once the device has finished, so the caller's clock times the whole step."""
+    the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
+    optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
+    finished, so the caller's clock times the whole step. Returns None, the weights and optimizer
+    untouched and the loader back at the step's start, if stop_requested() is true before a
+    micro-step: a stop never waits for a long step (torchrun SIGKILLs 30 s after a SIGTERM)."""
     ddp = isinstance(getattr(t.model, "_orig_mod", t.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     t.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=t.device)
+    start = loader.state_dict()
     for micro_step in range(t.grad_accum_steps):
+        if stop_requested():
+            loader.load_state_dict(start)
+            return None
         x, y = (to_device(b, t.device) for b in loader.next_batch())
         last = micro_step == t.grad_accum_steps - 1
         with t.model.no_sync() if ddp and not last else nullcontext(), t.forward_context():
@@ -231,13 +236,12 @@ def train_step(t, loader, lr, stop_requested=False, poison=None):
         loss_sum += loss.detach()
         t.scaler.scale(loss).backward()
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
-    # rank's was), stop vote and norm (of gradients already all-reduced), so all decide alike.
-    status = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=t.device)])
+    # rank's was) and norm (of gradients already all-reduced), so all decide alike.
     if dist.is_initialized():
-        dist.all_reduce(status)
+        dist.all_reduce(loss_sum)
     t.scaler.unscale_(t.optimizer)
     norm = clip_grad_norm(t.raw_model.parameters(), t.grad_clip)
-    loss_sum, stop_votes, norm = torch.cat([status, norm.reshape(1)]).tolist()
+    loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
     loss = loss_sum / (dist.get_world_size() if dist.is_initialized() else 1)
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or t.scaler.is_enabled()))
@@ -247,7 +251,7 @@ def train_step(t, loader, lr, stop_requested=False, poison=None):
         t.scaler.step(t.optimizer)
     t.scaler.update()  # after every unscale_, or the next step's unscale_ raises
     synchronize(t.device)
-    return StepResult(loss, norm, lr, skipped, stop_votes > 0)
+    return StepResult(loss, norm, lr, skipped)
 
 
 def clip_grad_norm(params, max_norm):
@@ -315,17 +319,17 @@ def train(args):
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(t, run.train_loader, get_lr(step, args), stop.received is not None, faults.poison)
+            result = train_step(t, run.train_loader, get_lr(step, args), stop.requested, faults.poison)
+            if result is None:
+                save(run, step)
+                log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
+                break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
             if bad_steps >= args.max_bad_steps:
                 raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                f"the newest checkpoint in {args.log_dir} predates them: lower --max_lr or check the data")
             step += 1
-            if result.stop_requested:
-                save(run, step)
-                log(f"stopping on a signal after step {step}; `--resume auto` continues from here")
-                break
     wait_for_checkpoint(run)
     if dist.is_initialized():
         # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
@@ -828,15 +832,25 @@ def log_mirrors(args, enabled):
 
 
 class StopSignal:
-    """SIGTERM and SIGINT (what SLURM, Kubernetes and spot instances send) ask the run to
-    finish its step, checkpoint and exit; a second SIGINT interrupts at once."""
+    """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
+    to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __enter__(self):
         self.received = None
+        # On the host, over gloo: asking the other ranks never waits for the GPU's queue to drain.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
         return self
+
+    def requested(self):
+        """Whether any rank has been asked to stop. Every rank calls it at the same points and
+        gets the same answer: the signal reaches the ranks at different moments."""
+        asked = torch.tensor(float(self.received is not None))
+        if self.group is not None:
+            dist.all_reduce(asked, group=self.group)
+        return bool(asked)
 
     def __exit__(self, *exc):
         for sig, handler in zip(self.SIGNALS, self.previous):

@@ -63,12 +63,16 @@ def write_token_shards(directory, n_train=3, tokens_per_shard=12_000, n_val=4_00
     return paths
 
 
-def run_torchrun(*args, nproc=2, timeout=300):
+def popen_torchrun(*args, nproc=2, torchrun_flags=()):
     """torchrun on CPU (gloo) in its own process group, so a hung run's workers die with it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *torchrun_flags, *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def finish_torchrun(proc, timeout=300):
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:  # workers left behind by a failed or timed-out run
@@ -76,7 +80,11 @@ def run_torchrun(*args, nproc=2, timeout=300):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_torchrun(*args, nproc=2, timeout=300):
+    return finish_torchrun(popen_torchrun(*args, nproc=nproc), timeout)
 
 
 def make_tiny_gpt(vocab_size=50304, block_size=64, seed=0):

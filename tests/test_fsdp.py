@@ -97,15 +97,15 @@ def test_sharded_checkpoints_resume_exactly_on_2_ranks_or_1_after_a_sigterm(shar
     common = ["--data_dir", shards, "--max_steps", "8", "--checkpoint_interval", "4", "--fsdp", "1", "-B", "2"]
     torchrun(*common, "--log_dir", tmp_path / "full")
     full = train_records(read_log(tmp_path / "full"))
-    # SIGTERM during step 5, checkpoints written in the background: every rank stops after step 5,
-    # with a complete ckpt_000006/, and the run goes on from there as if never stopped.
+    # SIGTERM before step 5, checkpoints written in the background: every rank drops step 5, with a
+    # complete ckpt_000005/, and the run goes on from there as if never stopped.
     torchrun(*common, "--async_checkpoint", "--fault", "sigterm@5", "--log_dir", tmp_path / "stopped")
-    assert sorted(os.listdir(tmp_path / "stopped")) == ["ckpt_000004", "ckpt_000006", "log.jsonl"]
+    assert sorted(os.listdir(tmp_path / "stopped")) == ["ckpt_000004", "ckpt_000005", "log.jsonl"]
     for name in os.listdir(tmp_path / "full" / "ckpt_000004"):  # written in the background: the same files
         assert name in os.listdir(tmp_path / "stopped" / "ckpt_000004")
     assert_same_weights(tmp_path / "full" / "ckpt_000004", tmp_path / "stopped" / "ckpt_000004", atol=0)
     torchrun(*common, "--async_checkpoint", "--log_dir", tmp_path / "stopped")
-    assert_same_run(full, read_log(tmp_path / "stopped"), rel=1e-6)  # the log was cut back to step 6
+    assert_same_run(full, read_log(tmp_path / "stopped"), rel=1e-6)  # the log was cut back to step 5
     assert_same_weights(tmp_path / "full" / "ckpt_000008", tmp_path / "stopped" / "ckpt_000008", atol=1e-6)
     # Resharded: one process, without FSDP, from the checkpoint 2 ranks wrote.
     one = train(shards, tmp_path / "one", *RUN, "--max_steps", "8", "--resume", tmp_path / "full" / "ckpt_000004", "-B", "8")
