@@ -171,8 +171,12 @@ class GPT(nn.Module):
     def head(self, x):
         """Hidden states (..., n_embd) -> logits (..., n_tokens). Padding rows are computed (the
         matmul is faster at 50304) but sliced away, so they take part in neither the softmax of
-        the loss nor sampling. A caller that needs few positions' logits passes only those."""
-        return self.lm_head(x)[..., : self.n_tokens]
+        the loss nor sampling. A caller that needs few positions' logits passes only those.
+        Outside autocast it computes in x's dtype, also where FSDP gathered the weight in bf16."""
+        weight = self.lm_head.weight
+        if not torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight)[..., : self.n_tokens]
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None, n_pad=None,
                  **options):

@@ -746,7 +746,7 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
     t.raw_model.eval()
     prompt = torch.tensor(enc.encode_ordinary(SAMPLE_PROMPT), device=t.device).repeat(num_samples, 1)
     generator = torch.Generator(device=t.device).manual_seed(seed)
-    with t.forward_context():
+    with t.forward_context(), sharding.root_gathered(t.raw_model):  # generation calls hidden_states, not forward
         out = t.raw_model.generate(prompt, max_new_tokens, top_k=50, generator=generator)
     t.raw_model.train()
     return [enc.decode(row) for row in out.tolist()]

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import hellaswag
 from checkpoint import load_model
@@ -135,6 +136,20 @@ def test_bfloat16_scores_keep_the_head_in_float32(tiny, examples):
     _, exact = hellaswag.ending_losses(model, rows, "cpu", torch.float32)
     _, bf16 = hellaswag.ending_losses(model, rows, "cpu", torch.bfloat16)
     assert (bf16 - exact).abs().max() < 2e-3  # the body's bf16 noise; rounded logits gave 7e-2 here
+
+
+def test_bfloat16_parameters_as_fsdp_gathers_them_still_get_a_float32_head(tiny, examples):
+    """Under FSDP with bf16 parameters the gathered head weight is bf16 while the hidden states
+    are float32: the head upcasts the weight rather than failing or rounding the logits."""
+    model = copy.deepcopy(tiny).to(torch.bfloat16)
+    rows = [row for e in examples for row in hellaswag.example_rows(e, model.config.block_size)]
+    total, _ = hellaswag.ending_losses(model, rows, "cpu", torch.bfloat16)
+    with torch.no_grad():
+        hidden = model.hidden_states(hellaswag.make_batch(rows, "cpu")[0]).float()
+        logits = F.linear(hidden, model.lm_head.weight.float())[..., : model.n_tokens]
+    targets = hellaswag.make_batch(rows, "cpu")[1]
+    expected = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-1, reduction="none").sum(dim=1)
+    assert torch.allclose(total, expected, rtol=1e-5)
 
 
 def test_long_rows_keep_the_ending_and_drop_context_from_the_left():

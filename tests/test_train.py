@@ -645,6 +645,12 @@ class OneBatch:
     def next_batch(self):
         return self.batch
 
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
 
 def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_logged():
     model = GPT(GPTConfig(**TINY_CONFIG))
@@ -868,6 +874,25 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
                              torch.float32, 2, 1.0)
     train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
     assert events == [("optimizer step",), ("synchronize", "cpu")]
+
+
+def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
+    """Asked to stop before its third micro-step, train_step returns None having changed nothing:
+    the next step (of the resumed run) reads the same batches and gets the same result."""
+    def trainable():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY_CONFIG))
+        return train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", torch.float32, 4, 1.0)
+    dropped, plain = trainable(), trainable()
+    loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
+    asked = iter([False, False, True])
+    assert train_gpt2.train_step(dropped, loaders[0], 1e-3, lambda: next(asked)) is None
+    assert loaders[0].state_dict() == loaders[1].state_dict()
+    assert not dropped.optimizer.state and all(torch.equal(a, b) for a, b in
+                                               zip(dropped.model.parameters(), plain.model.parameters()))
+    results = [train_gpt2.train_step(t, loader, 1e-3) for t, loader in zip((dropped, plain), loaders)]
+    assert results[0] == results[1]
 
 
 NON_FINITE_ON_RANK_1 = """
