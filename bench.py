@@ -32,6 +32,7 @@ import fineweb
 import generate
 import hellaswag
 from atomic import atomic_open, check_writable
+from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED
 from tokenizer import EOT, N_VOCAB, get_encoding
@@ -49,7 +50,7 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--json", default=None, help="write the results to this JSON file, rewritten after each result")

@@ -1,8 +1,6 @@
 """What the scripts' command lines share: errors in one line, and a model loaded onto a device."""
 import argparse
 
-from checkpoint import CheckpointError, load_model
-from devices import pick_device
 from tokenizer import N_VOCAB
 
 
@@ -26,6 +24,8 @@ def gpt2_vocab_problem(vocab_size):
 def load_model_onto(parser, name, device="cpu"):
     """(model in eval mode, device) for anything load_model takes, or a one-line exit: a device
     this machine lacks, a model that cannot be loaded, one that cannot hold GPT-2's token ids."""
+    from checkpoint import CheckpointError, load_model  # here, so that fineweb.py's parser needs no torch
+    from devices import pick_device
     try:
         device = pick_device(device)
     except ValueError as e:

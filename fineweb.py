@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from atomic import atomic_open
+from cli import Parser
 from data import SHARD_DTYPE, SPLITS, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
@@ -454,11 +455,6 @@ def shard_hub_dataset(output_dir, prefix, shard_size, num_proc=1, dataset=FINEWE
 # command line
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # usage errors as one line, like every other error
-        self.exit(2, f"fineweb.py: error: {message} (see --help)\n")
-
-
 def positive_int(text):
     try:
         value = int(text)  # 100_000_000 is fine too
@@ -470,7 +466,7 @@ def positive_int(text):
 
 
 def parse_args(argv):
-    parser = OneLineParser(description="Tokenize a corpus into GPT-2 token shards (build-nanogpt's format).")
+    parser = Parser(prog="fineweb.py", description="Tokenize a corpus into GPT-2 token shards (build-nanogpt's format).")
     parser.add_argument("--input", nargs="+", metavar="PATH",
                         help="local .txt (a document a file), .jsonl/.json (a document a line) or .parquet "
                              "(a document a row) files, or directories of them, instead of the hub")

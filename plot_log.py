@@ -4,7 +4,6 @@ against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
     python plot_log.py log/                       # writes plot.png
     python plot_log.py log_a/ log_b/ -o runs.png  # several runs on one figure
 """
-import argparse
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
 
 from atomic import atomic_open
+from cli import Parser
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).
@@ -174,7 +174,7 @@ def tokens_axis(runs, x, axes):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot loss and HellaSwag of training runs from their log.jsonl.")
+    parser = Parser(prog="plot_log.py", description="Plot loss and HellaSwag of training runs from their log.jsonl.")
     parser.add_argument("logs", nargs="+", help="log directories of train_gpt2.py (or log.jsonl files)")
     parser.add_argument("-o", "--out", default="plot.png", help="the image to write; its extension names the format")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis")
