@@ -34,7 +34,7 @@ import hellaswag
 from atomic import atomic_open, check_writable
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
-from model import GPT, GPTConfig, PRETRAINED
+from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, get_encoding
 from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 from train_gpt2 import build_trainable, train_step
@@ -47,6 +47,9 @@ LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
 # train_gpt2.py's flags that are off by default, that --levers switches on one at a time on CUDA
 # (each stays off unless it measures faster): --attention cudnn, --compile_mode max-autotune-no-cudagraphs.
 OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
+# Memory levers, switched on one at a time on any device: what --chunked_loss 1 and each
+# --recompute mode cost in time (and, on CUDA, save in peak memory).
+MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 
 
 def parse_args(argv=None):
@@ -135,12 +138,13 @@ def time_steps(step, n_warmup, n_steps, device):
 
 def train_runs(args, compile_model, device_type):
     """(variant, lever) for each timed run, in order: the project and the baseline, then with
-    --levers the project with each lever switched off (-name) and, on CUDA, with each opt-in
-    lever switched on (+name)."""
+    --levers the project with each lever switched off (-name), with each memory lever switched on,
+    and, on CUDA, with each opt-in lever switched on (+name)."""
     runs = [("project", None)] + [("baseline", None)] * args.baseline
     if args.levers:
         applies = {"compile": compile_model, "fused_adamw": device_type == "cuda"}
         runs += [("project", f"-{lever}") for lever in LEVERS if applies.get(lever, True)]
+        runs += [("project", f"+{lever}") for lever in MEMORY_LEVERS]
         if device_type == "cuda":
             runs += [("project", f"+{lever}") for lever in OPT_IN_LEVERS if lever != "max_autotune" or compile_model]
     return runs
@@ -170,11 +174,14 @@ def train_levers(variant, lever, compile_model):
     """The build_trainable arguments and vocabulary of one run: the project's levers, all off for
     the baseline, or one switched off (-name) or on (+name)."""
     if variant == "baseline":
-        return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math")
-    levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=50304, attention="auto")
+        return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math", chunked_loss=False,
+                    recompute="none")
+    levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=50304, attention="auto",
+                  chunked_loss=False, recompute="none")
     off = {"-compile": dict(compile=None), "-fused_adamw": dict(fused_adamw=False), "-padded_vocab": dict(vocab_size=N_VOCAB),
-           "-flash_attention": dict(attention="math"), "+cudnn_attention": dict(attention="cudnn"),
-           "+max_autotune": dict(compile="max-autotune-no-cudagraphs")}
+           "-flash_attention": dict(attention="math"), "+chunked_loss": dict(chunked_loss=True),
+           "+cudnn_attention": dict(attention="cudnn"), "+max_autotune": dict(compile="max-autotune-no-cudagraphs"),
+           **{f"+recompute_{mode}": dict(recompute=mode) for mode in RECOMPUTE[1:]}}
     return {**levers, **off.get(lever, {})}
 
 
@@ -203,7 +210,8 @@ def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
     t = None
     try:
         t = build_trainable(model, device, dtype, B // micro_batch_size, compile_mode=levers["compile"],
-                            fused_adamw=levers["fused_adamw"], attention=levers["attention"])
+                            fused_adamw=levers["fused_adamw"], attention=levers["attention"],
+                            recompute=levers["recompute"], chunked_loss=levers["chunked_loss"])
         loader = ShardLoader([shard], micro_batch_size, T)
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
@@ -80,8 +81,10 @@ def save_checkpoint(path, state):
     try:
         with atomic_open(path) as f:
             torch.save(state, f)
-    except OSError as e:  # a full disk despite the check, a quota, a vanished mount
-        print(f"warning: could not write checkpoint {path}: {e}", file=sys.stderr)
+    except (OSError, RuntimeError) as e:  # a full disk despite the check, a quota, a file-size limit, a
+        # vanished mount; torch's zip writer reports the OSError as "RuntimeError: ... unexpected pos"
+        print(f"warning: could not write checkpoint {path}: {first_line(e)}; older checkpoints are kept",
+              file=sys.stderr)
         return False
     return True
 
@@ -114,24 +117,43 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     config = asdict(raw_model.config)
+    if not isinstance(state["config"], dict):
+        raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
     if state["config"] != config:
         diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}")
-    if sharded:
-        load_sharded(path, raw_model, optimizer)
-    elif isinstance(raw_model, FSDPModule):
-        load_whole_into_sharded(state, raw_model, optimizer)
-    else:
-        raw_model.load_state_dict(state["model"])
-        load_optimizer_state(optimizer, state["optimizer"])
-    if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
-        scaler.load_state_dict(state["scaler"])
-    train_loader.load_state_dict(state["train_loader"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
-    return state["step"]
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: its step is {step!r}, not a step number")
+    with restoring(path, "model and optimizer"):
+        if sharded:
+            load_sharded(path, raw_model, optimizer)
+        elif isinstance(raw_model, FSDPModule):
+            load_whole_into_sharded(state, raw_model, optimizer)
+        else:
+            raw_model.load_state_dict(state["model"])
+            load_optimizer_state(optimizer, state["optimizer"])
+    with restoring(path, "scaler"):
+        if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
+            scaler.load_state_dict(state["scaler"])
+    with restoring(path, "train_loader"):
+        train_loader.load_state_dict(state["train_loader"])
+    with restoring(path, "rng"):
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
+    return step
+
+
+@contextmanager
+def restoring(path, field):
+    """Restoring field from the checkpoint at path: a value that cannot be restored (a hand-edited
+    or foreign file's) is one CheckpointError naming both, never a traceback."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
 KERNEL_FLAGS = ("fused", "foreach", "capturable")  # how AdamW runs here, not what it learned
@@ -165,29 +187,50 @@ def save_sharded(path, model, optimizer, state, async_save=False):
     A failed write (a full disk) on any rank is an OSError or DCP's CheckpointException on all."""
     partial = path + ".partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    error = write_train_state(partial, state) if rank == 0 else None
+    if dist.is_initialized():  # also: the directory exists, empty of older shards, before any rank writes
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise OSError(error)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+
+    def finish(failed):
+        if rank != 0:
+            return
+        if failed:  # a full disk on some rank: no half-written directory stays behind
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        if os.path.isdir(path):  # the same step saved again (a run resumed before it)
+            shutil.rmtree(path)
+        os.rename(partial, path)
+
+    if not async_save:
+        try:
+            dcp.save(tensors, checkpoint_id=partial)
+        except BaseException:
+            finish(failed=True)
+            raise
+        finish(failed=False)
+        return None
+    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=background_group())
+    future.add_done_callback(lambda f: finish(failed=f.exception() is not None))
+    return future
+
+
+def write_train_state(partial, state):
+    """Rank 0's part of a sharded checkpoint, begun afresh in partial; why it failed, or None."""
+    try:
         shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
         os.makedirs(partial)
         with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
             torch.save(state, f)
-    if dist.is_initialized():
-        dist.barrier()  # the directory exists, empty of older shards, before any rank writes
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    tensors = {"model": model_state, "optimizer": optimizer_state}
-
-    def put_in_place(_=None):
-        if rank == 0:
-            if os.path.isdir(path):  # the same step saved again (a run resumed before it)
-                shutil.rmtree(path)
-            os.rename(partial, path)
-
-    if not async_save:
-        dcp.save(tensors, checkpoint_id=partial)
-        put_in_place()
-        return None
-    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=background_group())
-    future.add_done_callback(lambda f: f.exception() is None and put_in_place())
-    return future
+    except (OSError, RuntimeError) as e:  # as in save_checkpoint: a full disk, a file-size limit
+        shutil.rmtree(partial, ignore_errors=True)
+        return first_line(e)
+    return None
 
 
 _background_group = None
@@ -334,20 +377,36 @@ def _load_plain(path, map_location, require=("model", "config")):
 
 
 def latest_checkpoint(log_dir, map_location="cpu"):
-    """(path, state) of the newest checkpoint in log_dir that loads, or None. A damaged newer
-    file (a crash mid-write, a bad disk) is skipped with a warning."""
-    for path in reversed(list_checkpoints(log_dir)):
+    """(path, state) of the newest checkpoint in log_dir that loads, or None if there is none. A
+    damaged newer one (a bad disk, a hand edit) is skipped with a warning; if every one is damaged,
+    CheckpointError: starting again from step 0 would overwrite the run they hold."""
+    paths = list_checkpoints(log_dir)
+    for path in reversed(paths):
         try:
             return path, load_checkpoint(path, map_location)
         except CheckpointError as e:
             print(f"warning: skipping {e}", file=sys.stderr)
+    if paths:
+        names = ", ".join(os.path.basename(p) for p in paths)
+        raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "
+                              f"--resume none, which moves them aside")
     return None
 
 
 def prune_checkpoints(log_dir, keep_last):
-    """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all)."""
+    """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all), and what saves
+    that were killed left behind."""
+    remove_unfinished(log_dir)
     if keep_last > 0:
         for path in list_checkpoints(log_dir)[:-keep_last]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def remove_unfinished(log_dir):
+    """Removes the temporary files and .partial directories of saves that a SIGKILL or a power cut
+    ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
+    for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
+        if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
@@ -364,13 +423,31 @@ def load_model(name_or_path, map_location="cpu"):
                 load_sharded(name_or_path, model)
             else:
                 model.load_state_dict(state["model"])
-        except (TypeError, RuntimeError) as e:  # a config or weights that are not this GPT's
+        except (TypeError, ValueError, RuntimeError) as e:  # a config or weights that are not this GPT's
             raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
-        return model
+    else:
+        model = load_pretrained(name_or_path)
+    for name, tensor in model.state_dict().items():
+        if not tensor.isfinite().all():
+            raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")
+    return model
+
+
+def load_pretrained(name_or_path):
+    """GPT.from_pretrained, every failure one line: an unknown name, no network, a directory that
+    is not GPT-2's, or one damaged (a truncated safetensors file, a pickle that is not plain tensors)."""
     try:
-        return GPT.from_pretrained(name_or_path)
-    except (OSError, ValueError, RuntimeError) as e:  # unknown name, offline, not a GPT-2 directory
-        raise CheckpointError(f"cannot load {name_or_path}: {first_line(e)}") from None
+        with warnings.catch_warnings():  # torch's multi-line warning about a file it refused: the error says it
+            warnings.simplefilter("ignore")
+            return GPT.from_pretrained(name_or_path)
+    except pickle.UnpicklingError:  # transformers loads pytorch_model.bin with weights_only=True
+        raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "
+                              f"(damaged, or a pickle that would run code); nothing in it was run") from None
+    except Exception as e:
+        where = name_or_path
+        if type(e).__name__ == "SafetensorError":
+            where = os.path.join(name_or_path, "model.safetensors")
+        raise CheckpointError(f"cannot load {where}: {first_line(e)}") from None
 
 
 def first_line(error):

@@ -1,4 +1,5 @@
 """Where and in what precision to run: one answer for training, evaluation, sampling and the benchmark."""
+import os
 import re
 from contextlib import nullcontext
 
@@ -45,6 +46,13 @@ def pick_dtype(name, device_type):
 def autocast(device_type, dtype):
     """Mixed precision in dtype, or nothing for float32."""
     return torch.autocast(device_type, dtype) if dtype != torch.float32 else nullcontext()
+
+
+def device_memory(device):
+    """Bytes of memory the device has: a GPU's own, else the host's (Apple's MPS shares it)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def synchronize(device):

@@ -3,10 +3,12 @@ equal to Hugging Face's GPT2LMHeadModel so weights move between the two freely.
 """
 import inspect
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import generate
 from tokenizer import N_VOCAB
@@ -22,6 +24,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, as in GPT-2
 
+    def __post_init__(self):  # a config read from a file fails here, in one line, not deep in a layer
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head {self.n_head} does not divide n_embd {self.n_embd}")
+
 
 # OpenAI's four sizes, as Hugging Face names them.
 PRETRAINED = {
@@ -30,6 +39,11 @@ PRETRAINED = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
+
+# What a block recomputes in the backward pass instead of keeping its activations (PaddleFleetX's
+# granularities): nothing, the whole block, the attention sublayer (ln_1 to c_proj), or only SDPA.
+RECOMPUTE = ("none", "full", "attn", "core_attn")
+LOSS_CHUNK = 4096  # positions whose logits the chunked loss computes at once (800 MB in float32 at 50304)
 
 # Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -45,10 +59,30 @@ def padding_mask(n_pad, start, T):
     return ((key <= query) & (real | (key == query)))[:, None]
 
 
+def recomputed(fn, on):
+    """fn, or, when on and gradients are being recorded, fn run again in the backward pass instead
+    of its activations kept. Non-reentrant: the RNG state is replayed, so dropout masks match."""
+    return partial(checkpoint, fn, use_reentrant=False) if on and torch.is_grad_enabled() else fn
+
+
+def chunked_cross_entropy(x, head, targets, chunk=LOSS_CHUNK):
+    """The mean cross-entropy of head(x) against targets (-1 ignored), chunk positions at a time,
+    each chunk's logits recomputed in the backward pass: no (B*T, vocab) tensor is ever whole."""
+    x, targets = x.flatten(0, 1), targets.flatten()
+    total = sum(recomputed(_summed_cross_entropy, True)(x[i:i + chunk], head, targets[i:i + chunk])
+                for i in range(0, len(x), chunk))
+    return total / (targets != -1).sum()
+
+
+def _summed_cross_entropy(x, head, targets):
+    return F.cross_entropy(head(x).float(), targets, ignore_index=-1, reduction="sum")
+
+
 class CausalSelfAttention(nn.Module):
+    recompute_core = False  # set by GPT.set_recompute: a training choice, not part of the model
+
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
@@ -71,13 +105,15 @@ class CausalSelfAttention(nn.Module):
                 k = torch.cat([kv_cache[0], k], dim=2)
                 v = torch.cat([kv_cache[1], v], dim=2)
             kv_cache[:] = [k, v]
-        # Flash attention; a lone new query may see every earlier position, so needs no mask. An
-        # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = recomputed(self.core, self.recompute_core)(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q, k, v, mask):
+        # Flash attention; a lone new query may see every earlier position, so needs no mask. An
+        # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -94,6 +130,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    recompute = "none"  # one of RECOMPUTE, set by GPT.set_recompute
+
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -102,9 +140,14 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, kv_cache=None, mask=None):
-        x = x + self.attn(self.ln_1(x), kv_cache, mask)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return recomputed(self._forward, self.recompute == "full")(x, kv_cache, mask)
+
+    def _forward(self, x, kv_cache, mask):
+        x = x + recomputed(self.attention, self.recompute == "attn")(x, kv_cache, mask)
+        return x + self.mlp(self.ln_2(x))
+
+    def attention(self, x, kv_cache, mask):
+        return self.attn(self.ln_1(x), kv_cache, mask)
 
 
 class GPT(nn.Module):
@@ -139,10 +182,14 @@ class GPT(nn.Module):
         """Ids the model may emit: the vocabulary less the rows padded on for speed."""
         return min(self.config.vocab_size, N_VOCAB)
 
-    def forward(self, idx, targets=None, kv_cache=None, n_pad=None):
+    def forward(self, idx, targets=None, kv_cache=None, n_pad=None, chunked_loss=False):
         """idx (B, T) token ids -> logits (B, T, n_tokens) and the mean cross-entropy
-        against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states."""
-        logits = self.head(self.hidden_states(idx, kv_cache, n_pad))
+        against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states.
+        chunked_loss (training): the same loss by chunked_cross_entropy, and no logits."""
+        x = self.hidden_states(idx, kv_cache, n_pad)
+        if chunked_loss:
+            return None, chunked_cross_entropy(x, self.head, targets)
+        logits = self.head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
@@ -167,6 +214,12 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)
+
+    def set_recompute(self, mode, every=1):
+        """Recompute (one of RECOMPUTE) in blocks 0, every, 2*every, ...: less memory, more compute."""
+        for i, block in enumerate(self.transformer.h):
+            block.recompute = mode if i % every == 0 else "none"
+            block.attn.recompute_core = block.recompute == "core_attn"
 
     def head(self, x):
         """Hidden states (..., n_embd) -> logits (..., n_tokens). Padding rows are computed (the
@@ -211,10 +264,9 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path):
         """OpenAI's GPT-2 ("gpt2" ... "gpt2-xl", from the Hugging Face hub) or a local
         directory holding a Hugging Face GPT-2 checkpoint."""
-        from transformers import GPT2LMHeadModel
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-        hf_model = GPT2LMHeadModel.from_pretrained(name_or_path)
-        hf = hf_model.config
+        hf = GPT2Config.from_pretrained(name_or_path)  # checked before any weight is read
         # The config fields that change the maths, with the values at which it is GPT-2's: the
         # weights alone would load into a model that computes something else. (A field that adds
         # weights, such as add_cross_attention, fails load_hf_state_dict instead.) Not among them:
@@ -227,8 +279,12 @@ class GPT(nn.Module):
         for field, values in gpt2_values.items():
             if getattr(hf, field) not in values:
                 raise ValueError(f"{name_or_path}: not a GPT-2 architecture ({field}={getattr(hf, field)!r})")
-        config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size,
-                           n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
+        try:
+            config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size,
+                               n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
+        except ValueError as e:
+            raise ValueError(f"config.json: {e}") from None
+        hf_model = GPT2LMHeadModel.from_pretrained(name_or_path)
         model = cls(config)
         model.load_hf_state_dict(hf_model.state_dict(), source=name_or_path)
         return model

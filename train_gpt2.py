@@ -35,14 +35,23 @@ from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_
                         prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
-from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
-from model import GPT, GPTConfig
+from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
+import memory
+from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BATCH_1M = dict(total_batch_size=2**20, warmup_steps=357, max_steps=9537, chunked_loss=1)
 PRESETS = {
     "gpt2": {},  # the defaults below: GPT-2 (124M)
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, max_lr=3e-4, micro_batch_size=32),
+    # Larger: GPT-3's learning rates and batches (its Table 2.1) for the nearest size; batches of
+    # 2**20 tokens warm up over the same 375M tokens and take 9,537 steps for 10B. T stays 1024.
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, max_lr=2.5e-4, micro_batch_size=16, chunked_loss=1),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, max_lr=2e-4, micro_batch_size=8, **BATCH_1M),
+    # GPT-3 XL has 24 heads of 128, which do not divide its width of 2048: 16 heads of 128 do.
+    "gpt3-xl": dict(n_layer=24, n_head=16, n_embd=2048, max_lr=2e-4, micro_batch_size=8, **BATCH_1M),
+    "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560, max_lr=1.6e-4, micro_batch_size=4, **BATCH_1M),
     # A few minutes on 2 CPU cores: Tiny Shakespeare, sharded on first use, and a 4-layer GPT.
     "demo": dict(
         data_dir=os.path.join(HERE, "data", "shakespeare"), log_dir="log_demo", n_layer=4, n_head=4, n_embd=128,
@@ -94,6 +103,16 @@ def build_parser(add_help=True):
     a("--fsdp", type=int, default=0, choices=[0, 1],
       help="shard parameters, gradients and AdamW's state over the ranks (FSDP2), for models that do not fit "
            "under DDP; checkpoints are then sharded directories")
+    a("--recompute", default="none", choices=RECOMPUTE,
+      help="recompute in the backward pass instead of keeping activations: the whole block, its attention "
+           "sublayer, or only SDPA's core (less memory, more compute)")
+    a("--recompute_every", type=int, default=1, help="recompute in every Nth block only (1: all)")
+    a("--chunked_loss", type=int, default=0, choices=[0, 1],
+      help="compute the loss over chunks of positions, never a (B*T, vocab) float32 tensor: less memory, "
+           "one more matmul of the head (on in the presets larger than gpt2-medium)")
+    a("--plan", action="store_true",
+      help="print the estimated memory per GPU of this run, then exit: no data, device or log_dir is touched")
+    a("--plan_world_size", type=int, default=None, help="the ranks --plan assumes (default: torchrun's, else 1)")
     a("--async_checkpoint", action="store_true",
       help="with --fsdp 1, write checkpoints in the background while training goes on")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
@@ -154,6 +173,8 @@ def check_args(args, world_size):
     need(args.max_steps or args.eval_interval, "--max_steps 0 only evaluates: it needs --eval_interval above 0")
     need(args.max_lr > 0 and 0 <= args.min_lr_ratio <= 1, "--max_lr must be positive and --min_lr_ratio in [0, 1]")
     need(args.n_embd % args.n_head == 0, f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
+    need(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), numpy's range, not {args.seed}")
+    need(args.recompute_every > 0, f"--recompute_every must be positive, not {args.recompute_every}")
     need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")
     tokens_per_pass = args.micro_batch_size * args.seq_len * world_size
     if args.total_batch_size % tokens_per_pass:
@@ -188,6 +209,7 @@ class Trainable:
     grad_accum_steps: int
     grad_clip: float  # 0: no clipping
     attention: str = "auto"  # SDPA's kernel: torch's choice, cuDNN's, or the math reference
+    chunked_loss: bool = False  # the loss by model.chunked_cross_entropy: no whole logits tensor
 
     def forward_context(self):
         """Autocast and the chosen attention kernel, for one forward pass (and the backward it records)."""
@@ -229,7 +251,7 @@ def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
         x, y = (to_device(b, t.device) for b in loader.next_batch())
         last = micro_step == t.grad_accum_steps - 1
         with t.model.no_sync() if ddp and not last else nullcontext(), t.forward_context():
-            loss = t.model(x, y)[1]  # [1]: the logits are not kept alive into the next micro-step
+            loss = t.model(x, y, chunked_loss=t.chunked_loss)[1]  # [1]: no logits kept into the next micro-step
         if poison is not None:
             loss = poison(loss)
         loss = loss / t.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
@@ -272,13 +294,15 @@ def to_device(t, device):
 
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
-                    compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None):
+                    compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None,
+                    recompute="none", recompute_every=1, chunked_loss=False):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
     sharded over the ranks (see sharding.py), and built on the meta device when init is its
     recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
-    fused_adamw=False."""
+    fused_adamw=False. recompute, recompute_every: see GPT.set_recompute."""
+    raw_model.set_recompute(recompute, recompute_every)
     if fsdp:
         model = sharding.shard(raw_model, dtype, compile_mode)
         if init is not None:
@@ -294,7 +318,8 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     optimizer = raw_model.configure_optimizers(weight_decay, lr, device.split(":")[0], fused=fused_adamw)
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
     scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
-    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, attention)
+    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, attention,
+                     chunked_loss)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -474,12 +499,15 @@ def setup(args):
             print(message, flush=True)
 
     check_args(args, world_size)
+    if args.init_from == "scratch":
+        on_every_rank(check_fits, args, device, world_size)
     grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
     log(f"world size {world_size}, device {device}, {grad_accum_steps} micro-steps of "
         f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     on_every_rank(make_log_dir, args.log_dir)
+    on_every_rank(tidy_log_dir, args.log_dir, args.resume, log, rank == 0)
     mirrors = on_every_rank(log_mirrors, args, rank == 0)
     if args.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
@@ -494,11 +522,12 @@ def setup(args):
     compile_mode = args.compile_mode if resolve_compile(args.compile, device_type, log) else None
     t = build_trainable(raw_model, device, pick_dtype(args.dtype, device_type), grad_accum_steps, args.grad_clip,
                         args.weight_decay, args.max_lr, compile_mode, attention=args.attention, fsdp=bool(args.fsdp),
-                        init=init)
+                        init=init, recompute=args.recompute, recompute_every=args.recompute_every,
+                        chunked_loss=bool(args.chunked_loss))
     start_step = resume(args, t, train_loader, log)
     evaluate_only = start_step >= args.max_steps
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
-    run_log = RunLog(args.log_dir, None if evaluate_only else start_step, enabled=rank == 0, mirrors=mirrors)
+    run_log = on_every_rank(RunLog, args.log_dir, None if evaluate_only else start_step, rank == 0, mirrors)
 
     if hellaswag_examples:
         try:
@@ -599,14 +628,49 @@ def make_log_dir(log_dir):
         raise RunError(f"--log_dir {log_dir}: cannot make it ({e.strerror})") from None
 
 
+def check_fits(args, device, world_size):
+    """Refuses, before allocating, a model whose weights, gradients and AdamW state alone (16 bytes
+    a parameter, over the ranks under FSDP) exceed the device's memory: a typo in a size would
+    otherwise be an out-of-memory crash or hours of swapping."""
+    config = model_config(args)
+    estimate = memory.plan(config, 1, 1, world_size, bool(args.fsdp), dtype_bytes=4)
+    need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
+    if need > have:
+        raise RunError(f"a GPT of {memory.n_params(config):,} parameters needs {need / memory.GiB:,.0f} GiB per rank "
+                       f"for its weights, gradients and AdamW state; {device} has {have / memory.GiB:,.0f} GiB "
+                       f"(see --plan)")
+
+
+def tidy_log_dir(log_dir, resume, log, enabled):
+    """On rank 0 (enabled): removes what killed saves left; starting over (--resume none) where a
+    run already is, moves that run's files into log_dir/previous_<time>/, so that no directory
+    ever holds two runs' checkpoints."""
+    if not enabled:
+        return
+    try:
+        checkpoint.remove_unfinished(log_dir)
+        names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
+        if resume != "none" or not names:
+            return
+        aside = os.path.join(log_dir, time.strftime("previous_%Y%m%d-%H%M%S", time.gmtime()))
+        os.makedirs(aside)
+        for name in names:
+            os.rename(os.path.join(log_dir, name), os.path.join(aside, name))
+    except OSError as e:
+        raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
+    log(f"--resume none: moved the earlier run's files ({', '.join(sorted(names))}) to {aside}")
+
+
+RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
+
+
 def build_model(args, device, log):
     """(model, init): a GPT of the model flags, randomly initialised, or the weights of anything
     load_model takes (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture
     then wins, on device. Under FSDP a random one is built on the meta device instead, to be
     materialized shard by shard from init, its recorded initialisation (see sharding.py)."""
     if args.init_from == "scratch":
-        config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
-                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+        config = model_config(args)
         return sharding.build_on_meta(config) if args.fsdp else (GPT(config).to(device), None)
     log(f"initialising from {args.init_from}")
     try:
@@ -715,7 +779,7 @@ def estimate_val_loss(t, loader, steps):
     for _ in range(steps):
         x, y = (to_device(b, t.device) for b in loader.next_batch())
         with t.forward_context():
-            total += t.model(x, y)[1]
+            total += t.model(x, y, chunked_loss=t.chunked_loss)[1]
     if dist.is_initialized():
         dist.all_reduce(total)
     t.model.train()
@@ -773,17 +837,23 @@ class RunLog:
                 print(f"warning: could not rewrite {self.path}: {e}", file=sys.stderr)
 
     def _records_before(self, step):
+        if os.path.isdir(self.path):
+            raise RunError(f"{self.path} is a directory, not the run's log: move it out of --log_dir")
         if not os.path.exists(self.path):
             return []
-        kept = []
-        with open(self.path) as f:
+        kept, skipped = [], 0
+        with open(self.path, "rb") as f:
             for line in f:
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:  # the last line of a run killed mid-write
-                    continue
-                if step is None or record.get("step", step) < step:
+                except ValueError:  # the last line of a run killed mid-write, bytes that are not UTF-8
+                    record = None
+                if not (isinstance(record, dict) and type(record.get("step")) is int):
+                    skipped += 1
+                elif step is None or record["step"] < step:
                     kept.append(record)
+        if skipped:
+            print(f"warning: {self.path}: skipped {skipped} line(s) that are not records of a step", file=sys.stderr)
         return kept
 
     def write(self, **record):
@@ -887,9 +957,39 @@ class Faults:
         return loss * float("nan") if self.nan_now else loss
 
 
+def print_plan(args):
+    """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""
+    world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        check_args(args, world_size)
+    except RunError as e:
+        sys.exit(f"error: {e}")
+    config = model_config(args)
+    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
+    estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp), args.recompute,
+                           args.recompute_every, dtype_bytes, bool(args.chunked_loss))
+    print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
+          f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
+          f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}; per GPU:")
+    print(estimate.table())
+
+
+def model_config(args):
+    return GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+                     n_embd=args.n_embd)
+
+
+def preset_config(name):
+    """(GPTConfig, args) of a preset (memory.py's table)."""
+    args = parse_args(["--preset", name])
+    return model_config(args), args
+
+
 def main(argv=None):
     """Runs train() and returns its model; a run error is one line on stderr and exit code 1."""
     args = parse_args(argv)
+    if args.plan:
+        return print_plan(args)
     try:
         return train(args)
     except (RunError, CheckpointError, ShardError) as e:

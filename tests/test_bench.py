@@ -29,7 +29,8 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
             assert all(isinstance(row[key], (int, float)) and row[key] >= 0 for key in FIGURES[name]), row
     # On a CPU nothing is compiled and AdamW is not fused: the levers left to switch off.
     levers = [(r["name"], r["lever"]) for r in report["results"] if "lever" in r]
-    assert levers == [("train", "-padded_vocab"), ("train", "-flash_attention"),
+    assert levers == [("train", "-padded_vocab"), ("train", "-flash_attention"), ("train", "+chunked_loss"),
+                      ("train", "+recompute_full"), ("train", "+recompute_attn"), ("train", "+recompute_core_attn"),
                       ("generate", "-kv_cache"), ("generate", "-kv_cache")]  # batched and unbatched without it
     table = result.stdout.splitlines()
     assert table[0].startswith(report["device"]) and table[1].split()[:2] == ["part", "variant"]
@@ -131,10 +132,15 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
     assert [(r["variant"], r.get("lever"), r["config"].split()[2:4]) for r in results] == [
         ("project", None, ["B8", "T64"]), ("baseline", None, ["B8", "(2x4)"]),
-        ("project", "-padded_vocab", ["B8", "T64"]), ("project", "-flash_attention", ["B8", "T64"])]
+        ("project", "-padded_vocab", ["B8", "T64"]), ("project", "-flash_attention", ["B8", "T64"]),
+        ("project", "+chunked_loss", ["B8", "T64"]), *[("project", f"+recompute_{mode}", ["B8", "T64"])
+                                                       for mode in ("full", "attn", "core_attn")]]
     assert all(r["tokens_per_sec"] > 0 for r in results)
-    levers = [(kw["attention"], kw["fused_adamw"], kw["compile_mode"], a[0].config.vocab_size) for a, kw in built]
-    assert levers == [("auto", None, None, 50304), ("math", False, None, 50257), ("math", False, None, 50257),
-                      ("math", False, None, 50257), ("auto", None, None, 50257), ("math", None, None, 50304)]
+    levers = [(kw["attention"], kw["fused_adamw"], kw["compile_mode"], a[0].config.vocab_size, kw["chunked_loss"],
+               kw["recompute"]) for a, kw in built]
+    project, baseline = ("auto", None, None, 50304, False, "none"), ("math", False, None, 50257, False, "none")
+    assert levers == [project, baseline, baseline, baseline, ("auto", None, None, 50257, False, "none"),
+                      ("math", None, None, 50304, False, "none"), ("auto", None, None, 50304, True, "none"),
+                      *[("auto", None, None, 50304, False, mode) for mode in ("full", "attn", "core_attn")]]
     assert {(accum, B) for accum, B in stepped} == {(1, 8), (2, 4), (4, 2)}
     assert set(flash) == {("auto", True), ("math", False)}

@@ -40,11 +40,12 @@ def runs_side_by_side(shards, tmp, *flags):
 
 
 def test_fsdp_on_two_ranks_trains_as_one_process(shards, tmp_path):
-    """Sharded from a meta-device build: over 10 steps of 2 micro-steps, the per-step losses and
+    """Sharded from a meta-device build, recomputing attention, with the chunked loss: over 10 steps of 2 micro-steps, the per-step losses and
     grad norms of one process with the same global batch within float32 noise (which also needs
     the same initial weights), the same val loss and the same final weights."""
     (single_dir, single), (fsdp_dir, fsdp) = runs_side_by_side(shards, tmp_path, "--max_steps", "10",
-                                                               "--eval_interval", "5", "--val_steps", "2")
+                                                               "--eval_interval", "5", "--val_steps", "2",
+                                                               "--recompute", "attn", "--chunked_loss", "1")
     assert_same_run(single, fsdp)
     assert_same_records(single, fsdp, "val_loss", steps=[0, 5, 10])
     assert sorted(os.listdir(fsdp_dir)) == ["ckpt_000010", "log.jsonl"]

@@ -1,0 +1,120 @@
+"""How much GPU memory training takes, per GPU, before any is allocated: train_gpt2.py --plan, and
+the README's table of the presets (`python memory.py` prints it).
+
+Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
+ranks under FSDP. Activations are what the forward pass keeps for the backward, counted per
+position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
+in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
+"""
+from dataclasses import dataclass
+
+from model import LOSS_CHUNK
+
+GiB = 2**30
+
+
+@dataclass
+class Plan:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self):
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+    def table(self):
+        rows = [(name, getattr(self, name)) for name in ("weights", "gradients", "optimizer", "activations", "logits")]
+        return "\n".join(f"  {name:<12} {size / GiB:8.2f} GiB" for name, size in rows + [("total", self.total)])
+
+
+def n_params(config):
+    """Parameters of a GPT of config: the head is tied to the token embedding."""
+    C, L = config.n_embd, config.n_layer
+    block = 12 * C * C + 13 * C  # qkv, projection and MLP matrices with their biases, two LayerNorms
+    return (config.vocab_size + config.block_size) * C + L * block + 2 * C
+
+
+def block_activation_bytes(config, recompute, a):
+    """Bytes a Block keeps for the backward pass, per position: a = bytes of the autocast dtype."""
+    C, H = config.n_embd, config.n_head
+    inputs = 4 * C  # the block's input, float32: kept in every mode
+    if recompute == "full":
+        return inputs
+    attention = 8 + a * (C + 3 * C + C) + 4 * H  # LayerNorm stats, ln_1 out, q k v, SDPA out, log-sum-exp
+    if recompute == "attn":
+        attention = 0
+    elif recompute == "core_attn":  # SDPA's output is kept anyway, as c_proj's input: only the log-sum-exp goes
+        attention -= 4 * H
+    mlp = 4 * C + 8 + a * (C + 4 * C + 4 * C)  # its float32 input, LayerNorm stats, ln_2 out, c_fc out, GELU out
+    return inputs + attention + mlp
+
+
+def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
+    """What the forward pass keeps for the backward, the loss's logits aside."""
+    blocks = sum(block_activation_bytes(config, recompute if i % every == 0 else "none", a)
+                 for i in range(config.n_layer))
+    top = 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd  # ids, targets, ln_f's input, stats and output
+    return batch * seq_len * (blocks + top)
+
+
+def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
+    """The loss's peak: logits in the autocast dtype, their float32 log-softmax and its gradient,
+    for all positions at once, or for one chunk of them."""
+    positions = batch * seq_len
+    if chunked_loss:
+        positions = min(positions, LOSS_CHUNK)
+    return positions * config.vocab_size * (a + 8)
+
+
+def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,
+         chunked_loss=False):
+    """The memory one GPU needs for a training step, split as Plan's fields."""
+    P = n_params(config)
+    if fsdp:
+        # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
+        # one and the next, prefetched) and the root (embeddings), with their float32 gradients.
+        root = (config.vocab_size + config.block_size) * config.n_embd + 2 * config.n_embd
+        gathered = root + 2 * (P - root) // config.n_layer
+        weights, gradients, optimizer = (4 * P // world_size + dtype_bytes * gathered,
+                                         4 * P // world_size + 4 * gathered, 8 * P // world_size)
+    else:
+        copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
+        weights, gradients, optimizer = 4 * P + copies, 4 * P, 8 * P
+    return Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
+                logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+
+
+def largest_batch(config, gib, **kw):
+    """The largest micro-batch of 1024 positions whose plan fits in 90% of gib (the rest: CUDA's
+    context and the allocator's fragmentation), or 0."""
+    batch = 0
+    while batch < 512 and plan(config, batch + 1, 1024, **kw).total <= 0.9 * gib * GiB:
+        batch += 1
+    return batch
+
+
+def presets_table(gpus=(24, 40, 80), world_size=8):
+    """Markdown: for each preset, the largest micro-batch per GPU under DDP and FSDP, without and
+    with full recompute, in bfloat16, with the preset's loss (chunked from gpt2-large on)."""
+    from train_gpt2 import PRESETS, preset_config
+
+    ways = [("DDP", dict()), ("DDP, recompute full", dict(recompute="full")),
+            (f"FSDP ×{world_size}", dict(fsdp=True, world_size=world_size)),
+            (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, world_size=world_size, recompute="full"))]
+    lines = ["| model | params | GPU | " + " | ".join(name for name, _ in ways) + " |",
+             "|---" * (3 + len(ways)) + "|"]
+    for name in PRESETS:
+        if name == "demo":
+            continue
+        config, args = preset_config(name)
+        for gib in gpus:
+            batches = [largest_batch(config, gib, chunked_loss=bool(args.chunked_loss), **kw) or "—" for _, kw in ways]
+            lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(presets_table())

@@ -1,0 +1,107 @@
+"""Activation recompute, the chunked loss and the memory plan: recompute changes no gradient bit,
+the chunked loss equals the plain one, and memory.py's estimate matches what a model saves."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memory
+import train_gpt2
+from model import GPT, GPTConfig, RECOMPUTE, chunked_cross_entropy
+
+CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
+
+
+def gradients(model, idx, **forward):
+    model.zero_grad()
+    torch.manual_seed(7)  # the same dropout masks, unless recompute failed to replay the RNG
+    model(idx, idx, **forward)[1].backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE[1:])
+@pytest.mark.parametrize("every", [1, 2])
+def test_recompute_gives_bit_identical_gradients(mode, every):
+    """With dropout on, so the replayed RNG matters; a block recomputed as another (a closure over
+    a loop variable) would change every gradient below it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})).train()
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 48))
+    expected = gradients(model, idx)
+    model.set_recompute(mode, every)
+    assert [block.recompute for block in model.transformer.h] == [mode if i % every == 0 else "none" for i in range(4)]
+    got = gradients(model, idx)
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    x = torch.randn(3, 40, CONFIG.n_embd, requires_grad=True)
+    targets = torch.randint(0, CONFIG.vocab_size, (3, 40))
+    targets[0, :7] = -1  # ignored positions count in neither the sum nor the mean
+    plain = F.cross_entropy(model.head(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
+    plain_grads = torch.autograd.grad(plain, [x, model.lm_head.weight])
+    chunked = chunked_cross_entropy(x, model.head, targets, chunk=16)  # 8 chunks, the last one short
+    chunked_grads = torch.autograd.grad(chunked, [x, model.lm_head.weight])
+    assert chunked.item() == pytest.approx(plain.item(), abs=1e-6)
+    for got, expected in zip(chunked_grads, plain_grads):
+        assert torch.allclose(got, expected, atol=1e-6)
+
+
+def saved_for_backward(model, idx):
+    """Bytes of the tensors the forward pass saves for the backward (parameters excluded), each
+    storage counted once: what activation memory is."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx.roll(1), chunked_loss=True)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE)
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
+    model = GPT(CONFIG).train()
+    model.set_recompute(mode, every)
+    B, T = 2, 64
+    measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)))
+    estimate = memory.activation_bytes(CONFIG, B, T, mode, every, a=4)
+    assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
+
+
+def test_parameter_count_of_every_preset():
+    assert memory.n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
+    for name in train_gpt2.PRESETS:
+        config, _ = train_gpt2.preset_config(name)
+        with torch.device("meta"):
+            model = GPT(config)
+        assert memory.n_params(config) == sum(p.numel() for p in model.parameters()), name
+
+
+def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
+    log_dir, data_dir = tmp_path / "log", tmp_path / "no_data"
+    train_gpt2.main(["--preset", "gpt2-xl", "--plan", "--plan_world_size", "8", "--fsdp", "1", "--recompute", "full",
+                     "--log_dir", str(log_dir), "--data_dir", str(data_dir)])
+    out = capsys.readouterr().out
+    config, _ = train_gpt2.preset_config("gpt2-xl")
+    expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
+    assert "8 GPU(s) under FSDP" in out and f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
+    assert not log_dir.exists() and not data_dir.exists()
+
+
+def test_sharding_and_recompute_shrink_the_plan():
+    config, _ = train_gpt2.preset_config("gpt2-xl")
+    ddp = memory.plan(config, 8, 1024)
+    fsdp = memory.plan(config, 8, 1024, world_size=8, fsdp=True)
+    recomputed = memory.plan(config, 8, 1024, recompute="full")
+    chunked = memory.plan(config, 8, 1024, chunked_loss=True)
+    assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
+    assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
+    assert ddp.logits == 2 * chunked.logits  # 8x1024 positions, against a chunk of 4096
