@@ -380,12 +380,16 @@ def latest_checkpoint(log_dir, map_location="cpu"):
     """(path, state) of the newest checkpoint in log_dir that loads, or None if there is none. A
     damaged newer one (a bad disk, a hand edit) is skipped with a warning; if every one is damaged,
     CheckpointError: starting again from step 0 would overwrite the run they hold."""
-    paths = list_checkpoints(log_dir)
+    paths, problems = list_checkpoints(log_dir), []
     for path in reversed(paths):
         try:
-            return path, load_checkpoint(path, map_location)
+            state = load_checkpoint(path, map_location)
         except CheckpointError as e:
-            print(f"warning: skipping {e}", file=sys.stderr)
+            problems.append(e)
+            continue
+        for problem in problems:
+            print(f"warning: skipping {problem}", file=sys.stderr)
+        return path, state
     if paths:
         names = ", ".join(os.path.basename(p) for p in paths)
         raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "

@@ -1,4 +1,5 @@
 """export_hf.py: the exported directory is a Hugging Face GPT-2 that matches ours, offline."""
+import json
 import os
 import shutil
 
@@ -167,3 +168,52 @@ def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, m
     monkeypatch.setattr(export_hf, "gpt2_vocab_and_merges", lambda: (vocab, merges[1:]))
     assert "tokenizer disagrees with tiktoken" in error_of(capsys, [ckpt, str(tmp_path / "b")])
     assert os.listdir(tmp_path) == []
+
+
+def damage(directory, kind):
+    """Damages a saved Hugging Face GPT-2 directory as a failed download, a bad disk or an attacker would."""
+    weights = directory / "model.safetensors"
+    if kind == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif kind in ("random pytorch_model.bin", "malicious pytorch_model.bin"):
+        weights.unlink()
+        payload = os.urandom(4096)
+        if kind.startswith("malicious"):
+            import pickle
+
+            class Payload:
+                def __reduce__(self):
+                    return (os.system, (f"touch {directory / 'ran'}",))
+            payload = pickle.dumps(Payload())
+        (directory / "pytorch_model.bin").write_bytes(payload)
+    elif kind == "n_head 0":
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "n_head": 0}))
+    elif kind == "a NaN weight":
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(weights)
+        tensors["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("nan")
+        save_file(tensors, weights, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("truncated safetensors", "cannot load {dir}/model.safetensors: Error while deserializing header"),
+    ("random pytorch_model.bin", "{dir}/pytorch_model.bin: refused: not plain tensors"),
+    ("malicious pytorch_model.bin", "{dir}/pytorch_model.bin: refused: not plain tensors"),
+    ("n_head 0", "cannot load {dir}: config.json: n_head must be a positive integer, not 0"),
+    ("a NaN weight", "{dir}: transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"),
+])
+def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_dir, tmp_path, capsys, kind, expected):
+    import hellaswag
+    import sample
+    from test_hellaswag import EXAMPLES, write_jsonl
+
+    directory = tmp_path / "damaged"
+    shutil.copytree(hf_gpt2_dir[1], directory)
+    damage(directory, kind)
+    expected = expected.format(dir=directory)
+    for script, argv in ((export_hf, [directory, tmp_path / "out"]), (sample, ["--model", directory]),
+                         (hellaswag, ["-m", directory, "--data", write_jsonl(tmp_path / "mini.jsonl", EXAMPLES)])):
+        message = exit_message(capsys, script.main, *argv, *(["--device", "cpu"] if script is not export_hf else []))
+        assert expected in message, (script.__name__, message)
+    assert not (directory / "ran").exists() and not (tmp_path / "out").exists()

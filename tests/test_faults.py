@@ -15,7 +15,7 @@ import train_gpt2
 from conftest import REPO, disk_full, finish_torchrun, popen_torchrun, run_torchrun, write_token_shards
 from data import write_shard
 from test_hellaswag import EXAMPLES, write_jsonl
-from test_train import TINY, final_weights, one_line_error, read_log, run_cli, train, train_records
+from test_train import TINY, TINY_CONFIG, error_of, final_weights, one_line_error, read_log, run_cli, train, train_records
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
 LONG = [*RUN, "--max_steps", "40"]
@@ -411,3 +411,101 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
     text.write_text('{"ctx": "A man", "label": 0}\n')
     with pytest.raises(checkpoint.CheckpointError, match=r": not a checkpoint \(no file that torch.save writes\)"):
         checkpoint.load_model(str(text))
+
+
+# ----------------------------------------------------------------------------- runs never mixed, erased or lost
+
+def file_size_limit(limit):
+    """A preexec_fn: the child may write no file past limit bytes (ulimit -f), and a write past it
+    fails with EFBIG rather than killing it (SIGXFSZ)."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply
+
+
+def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_on(shards, tmp_path):
+    """The free-space check passes, then the write fails: torch's zip writer reports it as a
+    RuntimeError ("unexpected pos"), which must be a warning like any full disk."""
+    train(shards, tmp_path, *RUN, "--max_steps", "4")
+    size = os.path.getsize(tmp_path / "ckpt_000004.pt")
+    result = subprocess.run([sys.executable, "train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", str(tmp_path),
+                             *RUN], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            preexec_fn=file_size_limit(size // 2))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "could not write checkpoint" in result.stderr and "older checkpoints are kept" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000004.pt", "log.jsonl"]  # no temporary file left
+    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))["step"] == 4
+    assert_each_step_logged_once(tmp_path, 8)
+
+
+def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_path):
+    orphans = [tmp_path / "ckpt_000002.pt.tmp4242", tmp_path / "ckpt_000006.partial" / "train_state.pt"]
+    for orphan in orphans:
+        orphan.parent.mkdir(exist_ok=True)
+        orphan.write_bytes(b"half a checkpoint")
+    (tmp_path / "notes.txt").write_text("the user's own")
+    train(shards, tmp_path, *RUN)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl", "notes.txt"]
+    (tmp_path / "ckpt_000009.pt.tmp7").write_bytes(b"")
+    checkpoint.prune_checkpoints(str(tmp_path), keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
+
+
+def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_moves_the_run_aside(shards, tmp_path):
+    train(shards, tmp_path, *RUN)
+    for name in ("ckpt_000004.pt", "ckpt_000008.pt"):
+        (tmp_path / name).write_bytes(b"not a checkpoint")
+    log_before = (tmp_path / "log.jsonl").read_bytes()
+    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN))
+    assert message.startswith(f"error: no checkpoint in {tmp_path} can be read (ckpt_000004.pt, ckpt_000008.pt)")
+    assert "--resume none" in message
+    assert (tmp_path / "log.jsonl").read_bytes() == log_before  # nothing of the old run rewritten
+    train(shards, tmp_path, *RUN, "--resume", "none")
+    [aside] = [name for name in os.listdir(tmp_path) if name.startswith("previous_")]
+    assert sorted(os.listdir(tmp_path / aside)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    assert (tmp_path / aside / "log.jsonl").read_bytes() == log_before
+    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8  # this run's own
+    assert_each_step_logged_once(tmp_path, 8)
+
+
+def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_directory_is_refused(shards, tmp_path,
+                                                                                                capsys):
+    train(shards, tmp_path, *RUN, "--max_steps", "4")
+    with open(tmp_path / "log.jsonl", "ab") as f:
+        f.write(b'null\n[1, 2]\n{"step": null}\n{"step": "3"}\n\xff\xfe not UTF-8\n')
+    train(shards, tmp_path, *RUN)
+    assert "skipped 5 line(s) that are not records of a step" in capsys.readouterr().err
+    assert_each_step_logged_once(tmp_path, 8)
+    (tmp_path / "other" / "log.jsonl").mkdir(parents=True)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "other", *RUN)
+    assert message == f"error: {tmp_path / 'other' / 'log.jsonl'} is a directory, not the run's log: move it out of --log_dir"
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("config", "gpt2", "its config is str, not a GPTConfig's fields"),
+    ("config", dict(TINY_CONFIG, n_head=0, dropout=0.0, bias=True), "holds a model of another architecture: n_head 0"),
+    ("step", "3", "its step is '3', not a step number"),
+    ("optimizer", {}, "its model and optimizer cannot be restored"),
+    ("train_loader", {}, "its train_loader cannot be restored"),
+    ("rng", {"cpu": torch.zeros(3), "cuda": []}, "its rng cannot be restored"),
+])
+def test_a_checkpoint_with_inconsistent_contents_is_one_line_naming_the_field(shards, tmp_path, capsys, field, value,
+                                                                               expected):
+    train(shards, tmp_path / "run", *RUN, "--max_steps", "4")
+    state = checkpoint.load_checkpoint(str(tmp_path / "run" / "ckpt_000004.pt"))
+    state[field] = value
+    path = tmp_path / "edited.pt"
+    torch.save(state, path)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", path)
+    assert message.startswith(f"error: {path}") and expected in message
+
+
+def test_sizes_no_machine_holds_are_refused_before_allocating(tmp_path, capsys):
+    for flags in (["--n_embd", "1000000", "--n_head", "1"], ["--block_size", "1000000000"],
+                  ["--vocab_size", "1000000000"], ["--n_layer", "100000", "--n_embd", "768", "--n_head", "12"]):
+        message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", tmp_path / "log", *flags)
+        assert "parameters needs" in message and "GiB per rank" in message and "(see --plan)" in message, flags
+    assert not (tmp_path / "log").exists()

@@ -355,6 +355,8 @@ def test_bad_input_fails_with_one_line(shards, tmp_path, capsys):
     assert "--max_steps must not be negative" in error_of(capsys, *common, "--max_steps", "-1")
     assert "--max_steps 0 only evaluates" in error_of(capsys, *common, "--max_steps", "0")
     assert "is not KIND@STEP[:RANK]" in error_of(capsys, *common, "--fault", "nan@x")
+    for seed in ("-1", str(2**64)):  # numpy's generators take [0, 2**32): the first epoch boundary would fail
+        assert "--seed must be in [0, 2**32)" in error_of(capsys, *common, "--seed", seed)
     if not torch.cuda.is_available():
         assert "--device cuda: device cuda:0 cannot be used here" in error_of(capsys, *common, "--device", "cuda")
 
