@@ -1,5 +1,6 @@
 """Files that are never half-written: shards, manifests, checkpoints, logs rewritten on resume."""
 import errno
+import fcntl
 import os
 from contextlib import contextmanager
 
@@ -34,3 +35,29 @@ def check_writable(path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     open(temporary_path(path), "w").close()
     os.remove(temporary_path(path))
+
+
+LOCK_NAME = ".lock"  # in a directory one process writes at a time: log_dir, fineweb.py's output_dir
+
+
+class DirectoryInUse(Exception):
+    """Another live process holds the directory's lock."""
+
+
+def claim_directory(directory, owner):
+    """Takes an exclusive lock on directory (flock on its .lock file, which holds our pid) and
+    returns the open file that holds it: closing it, or the process ending in any way, SIGKILL
+    included, releases it. A second claimant gets DirectoryInUse, naming the first one's pid."""
+    f = open(os.path.join(directory, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise DirectoryInUse(f"{directory} is in use by another {owner} (pid {holder}): two would interleave "
+                             f"their files; wait for it to end, or choose another directory") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 import fineweb
 import generate
 import hellaswag
-from atomic import atomic_open, check_writable
+from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
@@ -86,10 +86,7 @@ def parse_args(argv=None):
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
     if args.json:
-        try:
-            check_writable(args.json)
-        except OSError as e:
-            p.error(f"--json {args.json}: cannot write there ({e.strerror})")
+        p.check_output("--json", args.json)
     return args
 
 

@@ -1,6 +1,7 @@
 """What the scripts' command lines share: errors in one line, and a model loaded onto a device."""
 import argparse
 
+from atomic import check_writable
 from tokenizer import N_VOCAB
 
 
@@ -12,6 +13,13 @@ class Parser(argparse.ArgumentParser):
 
     def fail(self, message):
         self.exit(1, f"{self.prog}: error: {message}\n")
+
+    def check_output(self, flag, path):
+        """A one-line exit unless path can be written: found out before the work, not after it."""
+        try:
+            check_writable(path)
+        except OSError as e:
+            self.fail(f"{flag} {path}: cannot write there ({e.strerror})")
 
 
 def gpt2_vocab_problem(vocab_size):

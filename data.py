@@ -69,6 +69,8 @@ class Shard:
 
     def __init__(self, path):
         self.path = path
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO's open() would wait for a writer forever
+            raise ShardError(f"{path}: not a regular file")
         try:
             with open(path, "rb") as f:
                 version = np.lib.format.read_magic(f)
@@ -90,7 +92,9 @@ class Shard:
         with open(self.path, "rb") as f:
             f.seek(self.offset + 2 * start)
             tokens = np.fromfile(f, dtype=SHARD_DTYPE, count=count)
-        assert len(tokens) == count, f"{self.path}: short read"
+        if len(tokens) != count:  # the file shrank since it was checked: truncated by hand, or a full disk
+            raise ShardError(f"{self.path}: truncated while training: {len(tokens)} of {count} tokens at position "
+                             f"{start}; restore the shard and rerun to resume")
         return tokens
 
     def check_ids(self, vocab_size, full=False):

@@ -16,6 +16,7 @@ import tempfile
 from functools import lru_cache
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
@@ -191,7 +192,7 @@ def main(argv=None):
         parser.fail(f"{args.model}: a model without biases (bias=False) is not a GPT-2 architecture")
     try:
         diff = export(model, out_dir, args.force)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         parser.fail(f"exporting to {args.out_dir}: {' '.join(str(e).split())}")
     n_params = sum(t.numel() for key, t in model.to_hf_state_dict().items() if key != "lm_head.weight")  # tied
     print(f"exported {args.model} to {args.out_dir}: {n_params / 1e6:.1f}M parameters, vocab {N_VOCAB}, "

@@ -14,11 +14,13 @@ far the run got, so a rerun resumes an interrupted run and refuses to mix two co
 import argparse
 import collections
 import contextlib
+import ctypes
 import glob
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -29,7 +31,7 @@ import pyarrow
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic import atomic_open
+from atomic import LOCK_NAME, DirectoryInUse, atomic_open, claim_directory
 from cli import Parser
 from data import SHARD_DTYPE, SPLITS, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
@@ -86,11 +88,18 @@ def chunk_documents(documents, chunk_chars):
         yield texts, origins
 
 
-def ignore_stop_signals():
+def init_worker():
     """Worker initializer: Ctrl-C and SIGTERM, which a terminal or a scheduler sends to every
-    process, are the main process's to handle (it keeps the finished shards and shuts the pool down)."""
+    process, are the main process's to handle (it keeps the finished shards and shuts the pool
+    down). Should the main process be killed outright (SIGKILL, the OOM killer), Linux kills the
+    workers too, rather than leave them orphaned."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    if sys.platform == "linux":
+        parent, PR_SET_PDEATHSIG = os.getppid(), 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the request was made
+            os._exit(1)
 
 
 @contextlib.contextmanager
@@ -116,7 +125,7 @@ def tokenize_chunks(chunks, num_proc):
                 tokens = encode_texts(texts)
             yield origins, tokens
         return
-    pool = ProcessPoolExecutor(num_proc, initializer=ignore_stop_signals)
+    pool = ProcessPoolExecutor(num_proc, initializer=init_worker)
     try:
         pending = collections.deque()
         for texts, origins in chunks:
@@ -169,6 +178,8 @@ def expand_inputs(paths):
 
 def check_readable(path, text_field):
     """Fails early, before any output is written, on a file that cannot be opened."""
+    if not os.path.isfile(path):  # a FIFO, a device: reading it could wait forever
+        raise InputError(f"{path}: not a regular file")
     try:
         with open(path, "rb"):
             pass
@@ -204,15 +215,18 @@ def read_txt(path, text_field):
 
 def read_jsonl(path, text_field):
     """One document per line: the line's JSON object's text_field. Blank lines are skipped."""
-    number = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded a line at a time, so that bad UTF-8 is named by its own line
+            for number, raw in enumerate(f, 1):
+                where = f"{path} line {number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeError as e:
+                    raise InputError(f"{where}: not UTF-8 text ({e})") from None
                 if line.strip():
-                    where = f"{path} line {number}"
                     yield json_text(line, text_field, where), where
-    except (OSError, UnicodeError) as e:
-        raise InputError(f"{path}: cannot read as UTF-8 text after line {number} ({e})") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def json_text(line, text_field, where):
@@ -297,6 +311,12 @@ def check_manifest(manifest):
         keys += ["documents", "tokens"]
     if not (isinstance(manifest, dict) and all(key in manifest for key in keys) and isinstance(manifest["run"], dict)):
         raise ValueError(f"not a JSON object with {', '.join(keys)}")
+    counts = [key for key in keys if key not in ("run", "complete")]
+    bad = next((key for key in counts if type(manifest[key]) is not int or manifest[key] < 0), None)
+    if bad or not isinstance(manifest["complete"], bool):
+        raise ValueError(f"impossible progress: {bad or 'complete'} is {json.dumps(manifest[bad or 'complete'])}")
+    if manifest["complete"] and not (manifest["shards"] >= 1 and manifest["documents"] == manifest["document"]):
+        raise ValueError("impossible progress: complete, but with no shard or a document count that disagrees")
 
 
 def write_manifest(output_dir, manifest):
@@ -349,6 +369,10 @@ def start_or_resume(output_dir, prefix, run):
     if others:
         raise InputError(f"{output_dir} holds shards of another prefix ({os.path.basename(others[0])}); "
                          f"training would read them too: move them or choose another --output_dir")
+    missing = [index for index in range(manifest["shards"]) if index not in ours]
+    if missing:
+        raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']} shards, but "
+                         f"{shard_name(prefix, split_of(missing[0]), missing[0])} is missing; delete it and rerun")
     return manifest
 
 # -----------------------------------------------------------------------------
@@ -362,14 +386,30 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
     where status is "written", "resumed" or "already complete"."""
     if shard_size < 1 or num_proc < 1:
         raise InputError(f"shard_size ({shard_size}) and num_proc ({num_proc}) must be at least 1")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 2 * shard_size > memory // 2:  # the shard's buffer of uint16 tokens, beside the tokenizers' own memory
+        raise InputError(f"a shard of {shard_size:,} tokens needs {2 * shard_size / 2**30:,.1f} GiB of memory for its "
+                         f"buffer; this machine has {memory / 2**30:,.1f} GiB: choose a smaller --shard_size")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise InputError(f"{output_dir}: exists and is not a directory")
+    created_dir = not os.path.isdir(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    try:
+        with contextlib.closing(claim_directory(output_dir, "fineweb.py")):
+            return shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+    except DirectoryInUse as e:
+        raise InputError(str(e)) from None
+    finally:  # a refusal leaves no directory behind that it made
+        if created_dir and set(os.listdir(output_dir)) <= {LOCK_NAME}:
+            shutil.rmtree(output_dir)
+
+
+def shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
+    """shard_corpus, once this process holds output_dir's lock."""
     manifest = start_or_resume(output_dir, prefix, run)
     status = "already complete" if manifest["complete"] else "resumed" if manifest["shards"] else "written"
     t0, tokens_before = time.time(), manifest["shards"] * shard_size
     if not manifest["complete"]:
-        created_dir = not os.path.isdir(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
         remove_leftovers(output_dir, prefix, manifest["shards"])
         write_manifest(output_dir, manifest)  # claims the directory before the first shard lands in it
         started = manifest
@@ -384,8 +424,6 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
                 write_manifest(output_dir, started)
             else:
                 os.remove(os.path.join(output_dir, MANIFEST))
-            if created_dir and not os.listdir(output_dir):
-                os.rmdir(output_dir)
             raise
     tokens_per_s = None if status == "already complete" else (manifest["tokens"] - tokens_before) / (time.time() - t0)
     return {"output_dir": output_dir, "documents": manifest["documents"], "tokens": manifest["tokens"],
@@ -417,6 +455,9 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
         document += len(origins)
     if document == 0:
         raise InputError(f"{source}: no documents")
+    if skip:  # the manifest's resume point lies past the end of the corpus
+        raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {skip:,} tokens past the end of {source}: "
+                         f"not this corpus's progress; delete {output_dir} and rerun")
     if filled:
         write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer[:filled])
         shard += 1

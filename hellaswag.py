@@ -22,7 +22,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from atomic import atomic_open, check_writable
+from atomic import atomic_open
 from cli import Parser, gpt2_vocab_problem, load_model_onto
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
@@ -268,10 +268,7 @@ def main(argv=None):
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--batch_size and --limit must be at least 1")
     if args.json:
-        try:  # now, not after the scoring
-            check_writable(args.json)
-        except OSError as e:
-            parser.fail(f"--json {args.json}: cannot write there ({e.strerror})")
+        parser.check_output("--json", args.json)  # now, not after the scoring
 
     try:
         examples = load_examples(args.data, args.split, args.cache_dir)[: args.limit]

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import torch
 
-from atomic import atomic_open, check_writable
+from atomic import atomic_open
 from cli import Parser, load_model_onto
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
@@ -81,10 +81,7 @@ def parse_args(parser, argv=None):
     except ValueError as e:  # its message starts with the option's name, which is the flag's
         parser.error(f"--{e}")
     if args.json:
-        try:
-            check_writable(args.json)
-        except OSError as e:
-            parser.fail(f"--json {args.json}: cannot write there ({e.strerror})")
+        parser.check_output("--json", args.json)
     return args
 
 

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 import sharding
-from atomic import atomic_open
+from atomic import DirectoryInUse, atomic_open, claim_directory
 import checkpoint
 from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, load_model,
                         prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
@@ -360,6 +360,8 @@ def train(args):
         # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
         # the run finished while the checkpoint it would resume from is still being written.
         dist.barrier()
+    if run.log_dir_lock:
+        run.log_dir_lock.close()
     return t.raw_model
 
 
@@ -486,6 +488,7 @@ class Run:
     run_log: "RunLog"
     flops_per_step: float
     peak_flops: float  # None where unknown: no MFU
+    log_dir_lock: object  # on rank 0, the open file whose lock keeps other runs out of log_dir
     pending_checkpoint: tuple = None  # (path, future) of a sharded checkpoint still being written
 
 
@@ -507,6 +510,7 @@ def setup(args):
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     on_every_rank(make_log_dir, args.log_dir)
+    log_dir_lock = on_every_rank(claim_log_dir, args.log_dir, rank == 0)
     on_every_rank(tidy_log_dir, args.log_dir, args.resume, log, rank == 0)
     mirrors = on_every_rank(log_mirrors, args, rank == 0)
     if args.fsdp and not dist.is_initialized():
@@ -541,7 +545,7 @@ def setup(args):
     flops_per_step = raw_model.flops_per_token(args.seq_len) * args.total_batch_size
     peak = peak_flops(device)
     return Run(args, rank, world_size, device, log, t, train_loader, val_loader, hellaswag_examples, start_step,
-               run_log, flops_per_step, peak * world_size if peak else None)
+               run_log, flops_per_step, peak * world_size if peak else None, log_dir_lock)
 
 
 def setup_distributed(device_arg):
@@ -639,6 +643,17 @@ def check_fits(args, device, world_size):
         raise RunError(f"a GPT of {memory.n_params(config):,} parameters needs {need / memory.GiB:,.0f} GiB per rank "
                        f"for its weights, gradients and AdamW state; {device} has {have / memory.GiB:,.0f} GiB "
                        f"(see --plan)")
+
+
+def claim_log_dir(log_dir, enabled):
+    """On rank 0 (enabled), the lock that refuses a second run in log_dir: two would interleave
+    their checkpoints and logs. The kernel releases it when the process ends, however it ends."""
+    if not enabled:
+        return None
+    try:
+        return claim_directory(log_dir, "train_gpt2.py run")
+    except DirectoryInUse as e:
+        raise RunError(f"--log_dir {e}") from None
 
 
 def tidy_log_dir(log_dir, resume, log, enabled):
@@ -993,12 +1008,14 @@ def main(argv=None):
     try:
         return train(args)
     except (RunError, CheckpointError, ShardError) as e:
-        error = str(e)  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
+        error, code = str(e), 1  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
+    except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
+        error, code = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest", 130
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {error}", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -144,3 +144,20 @@ def exit_message(capsys, main, *argv):
     message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
     assert "\n" not in message
     return message
+
+
+def listdir(path):
+    """os.listdir(path) but for the lock file of a directory one process writes at a time."""
+    from atomic import LOCK_NAME
+    return [name for name in os.listdir(path) if name != LOCK_NAME]
+
+
+def file_size_limit(limit):
+    """A preexec_fn: the child may write no file past limit bytes (ulimit -f), and a write past it
+    fails with EFBIG, as on a full disk, rather than killing it (SIGXFSZ)."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return apply

@@ -12,7 +12,8 @@ import torch
 
 import checkpoint
 import train_gpt2
-from conftest import REPO, disk_full, finish_torchrun, popen_torchrun, run_torchrun, write_token_shards
+from conftest import (REPO, disk_full, file_size_limit, finish_torchrun, listdir, popen_torchrun, run_torchrun,
+                      write_token_shards)
 from data import write_shard
 from test_hellaswag import EXAMPLES, write_jsonl
 from test_train import TINY, TINY_CONFIG, error_of, final_weights, one_line_error, read_log, run_cli, train, train_records
@@ -190,7 +191,7 @@ def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint.torch, "save", half_written)
     assert checkpoint.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "config": {}}) is False
-    assert os.listdir(tmp_path) == ["ckpt_000001.pt"]
+    assert listdir(tmp_path) == ["ckpt_000001.pt"]
     assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(3))
 
 
@@ -415,17 +416,6 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
 
 # ----------------------------------------------------------------------------- runs never mixed, erased or lost
 
-def file_size_limit(limit):
-    """A preexec_fn: the child may write no file past limit bytes (ulimit -f), and a write past it
-    fails with EFBIG rather than killing it (SIGXFSZ)."""
-    import resource
-
-    def apply():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    return apply
-
-
 def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_on(shards, tmp_path):
     """The free-space check passes, then the write fails: torch's zip writer reports it as a
     RuntimeError ("unexpected pos"), which must be a warning like any full disk."""
@@ -436,7 +426,7 @@ def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_
                             preexec_fn=file_size_limit(size // 2))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "could not write checkpoint" in result.stderr and "older checkpoints are kept" in result.stderr
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_000004.pt", "log.jsonl"]  # no temporary file left
+    assert sorted(listdir(tmp_path)) == ["ckpt_000004.pt", "log.jsonl"]  # no temporary file left
     assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))["step"] == 4
     assert_each_step_logged_once(tmp_path, 8)
 
@@ -448,10 +438,10 @@ def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_p
         orphan.write_bytes(b"half a checkpoint")
     (tmp_path / "notes.txt").write_text("the user's own")
     train(shards, tmp_path, *RUN)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl", "notes.txt"]
+    assert sorted(listdir(tmp_path)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl", "notes.txt"]
     (tmp_path / "ckpt_000009.pt.tmp7").write_bytes(b"")
     checkpoint.prune_checkpoints(str(tmp_path), keep_last=1)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
+    assert sorted(listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
 
 
 def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_moves_the_run_aside(shards, tmp_path):
@@ -464,8 +454,8 @@ def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_move
     assert "--resume none" in message
     assert (tmp_path / "log.jsonl").read_bytes() == log_before  # nothing of the old run rewritten
     train(shards, tmp_path, *RUN, "--resume", "none")
-    [aside] = [name for name in os.listdir(tmp_path) if name.startswith("previous_")]
-    assert sorted(os.listdir(tmp_path / aside)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    [aside] = [name for name in listdir(tmp_path) if name.startswith("previous_")]
+    assert sorted(listdir(tmp_path / aside)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
     assert (tmp_path / aside / "log.jsonl").read_bytes() == log_before
     assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8  # this run's own
     assert_each_step_logged_once(tmp_path, 8)

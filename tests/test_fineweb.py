@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pytest
 
 import fineweb
 from bench import baseline_tokenize
-from conftest import REPO, run_script
+from conftest import REPO, listdir, run_script
 from data import Shard, shard_name
 from tokenizer import EOT, get_encoding
 
@@ -36,7 +37,7 @@ def stream_of(docs):
 
 def shards_in(out, prefix):
     """The shards of out in index order, after checking out holds just them and the manifest."""
-    names = sorted(n for n in os.listdir(out) if n != fineweb.MANIFEST)
+    names = sorted(n for n in listdir(out) if n != fineweb.MANIFEST)
     count = len(names)
     expected = [shard_name(prefix, "val" if i == 0 else "train", i) for i in range(count)]
     assert names == sorted(expected), names
@@ -145,8 +146,8 @@ def test_cli_under_spawn_and_forkserver_matches_fork(tmp_path, method):
     result = run_cli(*args, "--output_dir", tmp_path / method, env={"PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr
     fineweb.shard_local_files(corpus, str(tmp_path / "fork"), "s", 50_000, num_proc=2)
-    names = sorted(os.listdir(tmp_path / "fork"))
-    assert names == sorted(os.listdir(tmp_path / method)) and len(names) == 8
+    names = sorted(listdir(tmp_path / "fork"))
+    assert names == sorted(listdir(tmp_path / method)) and len(names) == 8
     for name in names:
         if name != fineweb.MANIFEST:
             assert (tmp_path / "fork" / name).read_bytes() == (tmp_path / method / name).read_bytes()
@@ -205,10 +206,10 @@ def bad_inputs(tmp):
     "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
     path, name, flags = bad_inputs(tmp_path)[case]
-    before = set(os.listdir(tmp_path))
+    before = set(listdir(tmp_path))
     result = run_cli("--input", path, "--output_dir", tmp_path / "out", "--shard_size", 1000, "--num_proc", 1, *flags)
     one_line_error(result, name)
-    assert set(os.listdir(tmp_path)) == before  # no output directory, shard or temporary file
+    assert set(listdir(tmp_path)) == before  # no output directory, shard or temporary file
 
 
 def test_token_id_over_uint16_names_the_document(tmp_path, monkeypatch, capsys):
@@ -255,7 +256,7 @@ def test_killed_run_resumes_to_identical_shards(tmp_path):
     args = ["--input", corpus, "--output_dir", out, "--shard_size", 1000, "--num_proc", 1]
     killed = run_cli(*args, script=str(tmp_path / "kill.py"))
     assert killed.returncode == -signal.SIGKILL
-    names = sorted(os.listdir(out))
+    names = sorted(listdir(out))
     assert [n for n in names if n.endswith(".npy")] == ["edufineweb_train_000001.npy", "edufineweb_val_000000.npy"]
     assert any(n.startswith("edufineweb_train_000002.npy.tmp") for n in names)  # never renamed into place
     assert all(Shard(str(out / n)).n_tokens == 1000 for n in names if n.endswith(".npy"))
@@ -271,8 +272,8 @@ def check_rerun_matches_an_uninterrupted_run(args, corpus, out, shard_size, docs
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
     clean = out.parent / "clean"
     fineweb.shard_local_files(corpus, str(clean), "edufineweb", shard_size)
-    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
-    for name in os.listdir(out):
+    assert sorted(listdir(out)) == sorted(listdir(clean))
+    for name in listdir(out):
         assert (out / name).read_bytes() == (clean / name).read_bytes()
     check_shards(out, "edufineweb", shard_size, docs)
 
@@ -309,7 +310,7 @@ def test_a_full_disk_is_one_line_naming_the_shard_and_the_rerun_resumes(tmp_path
     failed = run_cli(*args, script=str(tmp_path / "fill.py"))
     shard = out / "edufineweb_train_000002.npy"
     one_line_error(failed, f"{shard}: cannot write the shard ({os.strerror(errno.EFBIG)})")
-    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
+    assert sorted(listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
                                               "edufineweb_train_000001.npy"])  # no temporary file
     assert json.loads((out / fineweb.MANIFEST).read_text())["shards"] == 2
     check_rerun_matches_an_uninterrupted_run(args, corpus, out, shard_size, docs)
@@ -330,7 +331,7 @@ def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch
     args = ["--input", corpus, "--output_dir", str(tmp_path / "out"), "--shard_size", "500", "--num_proc", "1"]
     assert fineweb.main(args) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path / "out")) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy"])
+    assert sorted(listdir(tmp_path / "out")) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy"])
     manifest = json.loads((tmp_path / "out" / fineweb.MANIFEST).read_text())
     assert manifest["shards"] == 1 and manifest["document"] > 0 and manifest["skip"] > 0
     monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
@@ -393,7 +394,7 @@ def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path
     assert workers and not survivors
     assert stopped.returncode == 130
     assert (tmp_path / "stderr").read_text() == "fineweb.py: interrupted; rerun the same command to resume\n"
-    assert sorted(os.listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
+    assert sorted(listdir(out)) == sorted([fineweb.MANIFEST, "edufineweb_val_000000.npy",
                                               "edufineweb_train_000001.npy"])  # no temporary file
     check_rerun_matches_an_uninterrupted_run(args, corpus, out, 1000, docs)
 
@@ -413,7 +414,7 @@ def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, m
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 300)  # shards are written before the source fails
     with pytest.raises(KeyboardInterrupt):
         fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
-    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    before = {name: (out / name).read_bytes() for name in listdir(out)}
     assert json.loads(before[fineweb.MANIFEST])["shards"] == 2 and len(before) == 3
 
     def fails_at_last_document(path, text_field):  # as an unreachable hub or a read error would
@@ -425,7 +426,7 @@ def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, m
     with pytest.raises(fineweb.InputError, match="cannot read"):
         fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
     assert len(written) > 4  # the resumed run wrote shards 2, 3, ... before it failed
-    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert {name: (out / name).read_bytes() for name in listdir(out)} == before
     monkeypatch.setitem(fineweb.READERS, ".jsonl", fineweb.read_jsonl)
     summary = fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
     assert summary["status"] == "resumed"
@@ -436,7 +437,7 @@ def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    before = {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)}
+    before = {name: (out / name).stat().st_mtime_ns for name in listdir(out)}
     again = run_cli("--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 7)
     assert again.returncode == 0 and "already complete" in again.stdout
     one_line_error(run_cli("--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 8), "shard_size")
@@ -446,7 +447,7 @@ def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_
         f.write('{"text": "one more"}\n')
     with pytest.raises(fineweb.InputError, match="another run \\(inputs"):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before
+    assert {name: (out / name).stat().st_mtime_ns for name in listdir(out)} == before
 
 
 def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
@@ -487,7 +488,7 @@ def test_a_manifest_that_is_json_but_not_ours_is_unreadable(tmp_path, text):
     (out / fineweb.MANIFEST).write_text(text)
     with pytest.raises(fineweb.InputError, match="unreadable manifest"):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    assert os.listdir(out) == [fineweb.MANIFEST] and (out / fineweb.MANIFEST).read_text() == text
+    assert listdir(out) == [fineweb.MANIFEST] and (out / fineweb.MANIFEST).read_text() == text
 
 
 def test_hugging_face_dataset_path(tmp_path):
@@ -535,3 +536,83 @@ def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
     write_jsonl(hub / "part.jsonl", DOCS)
     docs = list(fineweb.hub_documents(str(hub), None, "train", "text", False, skip=2))
     assert docs == [(text, f"{hub} row {row}") for row, text in enumerate(DOCS) if row >= 2]
+
+
+def test_a_killed_run_leaves_no_live_workers(tmp_path):
+    """SIGKILL (or the OOM killer) gives the main process no chance to shut its pool down: the
+    kernel kills the workers with it."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", shakespeare_speeches(30_000))
+    (tmp_path / "stop.py").write_text(STOP_AT_THIRD_SHARD.format(repo=REPO))
+    args = ["--input", corpus, "--output_dir", tmp_path / "out", "--shard_size", 1000, "--num_proc", 2]
+    with open(tmp_path / "stdout", "w") as stdout:
+        killed = subprocess.run([sys.executable, tmp_path / "stop.py", str(int(signal.SIGKILL)), "process", *map(str, args)],
+                                stdout=stdout, stderr=subprocess.DEVNULL, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    workers = [int(pid) for pid in (tmp_path / "stdout").read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    survivors = [pid for pid in workers if running(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not survivors
+
+
+def test_invalid_utf8_in_jsonl_names_its_own_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "x" * 100}).encode() for i in range(50_000)]
+    lines[49_999] = b'{"text": "caf\xe9"}'  # latin-1, deep into the file (text mode decodes 8 KB ahead)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "early.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    for name, line in (("bad.jsonl", 50_000), ("early.jsonl", 2)):
+        with pytest.raises(fineweb.InputError, match=rf"{name} line {line}: not UTF-8 text"):
+            list(fineweb.read_jsonl(str(tmp_path / name), "text"))
+
+
+def test_a_fifo_among_the_inputs_is_refused_without_waiting_for_a_writer(tmp_path):
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    result = run_cli("--input", tmp_path / "pipe.jsonl", "--output_dir", tmp_path / "out", "--shard_size", 1000)
+    one_line_error(result, "pipe.jsonl: not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_size_beyond_memory_is_refused_before_anything_is_written(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--shard_size", 10**13)
+    one_line_error(result, "a shard of 10,000,000,000,000 tokens needs")
+    assert not (tmp_path / "out").exists()
+    fineweb.shard_local_files(corpus, str(tmp_path / "out"), "tiny", 7)  # the corrected rerun
+    check_shards(tmp_path / "out", "tiny", 7, DOCS)
+
+
+@pytest.mark.parametrize("progress, problem", [
+    ({"shards": -3}, "shards is -3"), ({"document": "2"}, 'document is "2"'), ({"skip": 1.5}, "skip is 1.5"),
+    ({"complete": "yes"}, 'complete is "yes"'), ({"documents": 99}, "a document count that disagrees"),
+])
+def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_path, progress, problem):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, **progress}))
+    before = {name: (out / name).read_bytes() for name in listdir(out)}
+    with pytest.raises(fineweb.InputError, match=f"unreadable manifest \\(impossible progress: .*{problem}"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    assert {name: (out / name).read_bytes() for name in listdir(out)} == before
+
+
+def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
+    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"shards": 1, "document": 0, "skip": 10**6}))
+    with pytest.raises(fineweb.InputError, match=r"resumes [\d,]+ tokens past the end of"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    assert (out / "tiny_val_000000.npy").exists()  # the recorded shard stays
+    fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)
+    os.remove(tmp_path / "out2" / "tiny_train_000001.npy")
+    (tmp_path / "out2" / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"shards": 3, "document": 0, "skip": 0}))
+    with pytest.raises(fineweb.InputError, match="records 3 shards, but tiny_train_000001.npy is missing"):
+        fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)

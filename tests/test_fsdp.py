@@ -10,7 +10,7 @@ import torch
 
 import checkpoint
 import hellaswag
-from conftest import REPO, exit_message, run_torchrun
+from conftest import REPO, exit_message, listdir, run_torchrun
 from test_hellaswag import EXAMPLES, write_jsonl
 from test_train import TINY, assert_same_run, read_log, train, train_records
 
@@ -48,7 +48,7 @@ def test_fsdp_on_two_ranks_trains_as_one_process(shards, tmp_path):
                                                                "--recompute", "attn", "--chunked_loss", "1")
     assert_same_run(single, fsdp)
     assert_same_records(single, fsdp, "val_loss", steps=[0, 5, 10])
-    assert sorted(os.listdir(fsdp_dir)) == ["ckpt_000010", "log.jsonl"]
+    assert sorted(listdir(fsdp_dir)) == ["ckpt_000010", "log.jsonl"]
     sharded = checkpoint.load_model(str(fsdp_dir / "ckpt_000010")).state_dict()
     for key, tensor in checkpoint.load_model(str(single_dir / "ckpt_000010.pt")).state_dict().items():
         assert torch.allclose(sharded[key], tensor, atol=1e-5), key
@@ -101,9 +101,9 @@ def test_sharded_checkpoints_resume_exactly_on_2_ranks_or_1_after_a_sigterm(shar
     # SIGTERM before step 5, checkpoints written in the background: every rank drops step 5, with a
     # complete ckpt_000005/, and the run goes on from there as if never stopped.
     torchrun(*common, "--async_checkpoint", "--fault", "sigterm@5", "--log_dir", tmp_path / "stopped")
-    assert sorted(os.listdir(tmp_path / "stopped")) == ["ckpt_000004", "ckpt_000005", "log.jsonl"]
-    for name in os.listdir(tmp_path / "full" / "ckpt_000004"):  # written in the background: the same files
-        assert name in os.listdir(tmp_path / "stopped" / "ckpt_000004")
+    assert sorted(listdir(tmp_path / "stopped")) == ["ckpt_000004", "ckpt_000005", "log.jsonl"]
+    for name in listdir(tmp_path / "full" / "ckpt_000004"):  # written in the background: the same files
+        assert name in listdir(tmp_path / "stopped" / "ckpt_000004")
     assert_same_weights(tmp_path / "full" / "ckpt_000004", tmp_path / "stopped" / "ckpt_000004", atol=0)
     torchrun(*common, "--async_checkpoint", "--log_dir", tmp_path / "stopped")
     assert_same_run(full, read_log(tmp_path / "stopped"), rel=1e-6)  # the log was cut back to step 5

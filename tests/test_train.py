@@ -13,7 +13,7 @@ import checkpoint
 import devices
 import train_gpt2
 from checkpoint import load_checkpoint
-from conftest import REPO, run_script, run_torchrun, save_as_checkpoint, write_token_shards
+from conftest import REPO, listdir, run_script, run_torchrun, save_as_checkpoint, write_token_shards
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES, write_jsonl
 from data import Shard, ShardError, ShardLoader, list_shards, shard_name, write_shard
@@ -123,7 +123,7 @@ def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp
     # A checkpoint, evaluated from another log_dir: the val loss its own run logged at that step.
     evaluated = train(shards, tmp_path / "eval", *run, "--max_steps", "0", "--resume", checkpoint_file)
     assert evaluated == [r for r in trained if r["step"] == 4 and "val_loss" in r]
-    assert checkpoint_file.read_bytes() == before and os.listdir(tmp_path / "eval") == ["log.jsonl"]
+    assert checkpoint_file.read_bytes() == before and listdir(tmp_path / "eval") == ["log.jsonl"]
     # From scratch: the loss of the initial weights, the same as at step 0 of a training run.
     initial = train(shards, tmp_path / "init", *run, "--max_steps", "0")
     assert initial == [r for r in trained if r["step"] == 0 and "val_loss" in r]
