@@ -499,3 +499,25 @@ def test_sizes_no_machine_holds_are_refused_before_allocating(tmp_path, capsys):
         message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", tmp_path / "log", *flags)
         assert "parameters needs" in message and "GiB per rank" in message and "(see --plan)" in message, flags
     assert not (tmp_path / "log").exists()
+
+
+def test_a_sharded_save_that_fails_midway_leaves_no_partial_directory(tmp_path, monkeypatch):
+    """In one process (DCP writes without torch.distributed): rank 0's train_state.pt, then the
+    shards, fail as on a full disk; each is an OSError for the trainer to warn of, and neither
+    leaves a .partial directory for --resume auto or the disk to carry."""
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
+    path = str(tmp_path / "ckpt_000004")
+
+    def zip_writer_full(*args, **kwargs):  # what torch.save raises when the disk fills mid-file
+        raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(checkpoint.torch, "save", zip_writer_full)
+    with pytest.raises(OSError, match="unexpected pos 704 vs 598"):
+        checkpoint.save_sharded(path, model, optimizer, {"step": 4})
+    assert listdir(tmp_path) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint.dcp, "save", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        checkpoint.save_sharded(path, model, optimizer, {"step": 4})
+    assert listdir(tmp_path) == []

@@ -1,11 +1,14 @@
 """Activation recompute, the chunked loss and the memory plan: recompute changes no gradient bit,
 the chunked loss equals the plain one, and memory.py's estimate matches what a model saves."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import memory
 import train_gpt2
+from conftest import REPO
 from model import GPT, GPTConfig, RECOMPUTE, chunked_cross_entropy
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
@@ -105,3 +108,8 @@ def test_sharding_and_recompute_shrink_the_plan():
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
     assert ddp.logits == 2 * chunked.logits  # 8x1024 positions, against a chunk of 4096
+
+
+def test_the_readme_table_is_what_memory_py_prints():
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert memory.presets_table() in f.read()
