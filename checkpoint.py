@@ -18,6 +18,7 @@ import pickle
 import re
 import shutil
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -444,14 +445,20 @@ def load_pretrained(name_or_path):
         with warnings.catch_warnings():  # torch's multi-line warning about a file it refused: the error says it
             warnings.simplefilter("ignore")
             return GPT.from_pretrained(name_or_path)
-    except pickle.UnpicklingError:  # transformers loads pytorch_model.bin with weights_only=True
-        raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "
-                              f"(damaged, or a pickle that would run code); nothing in it was run") from None
     except Exception as e:
+        if raised_by_torch_load(e):  # transformers reads pytorch_model.bin with weights_only=True
+            raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "
+                                  f"(damaged, or a pickle that would run code); nothing in it was run") from None
         where = name_or_path
         if type(e).__name__ == "SafetensorError":
             where = os.path.join(name_or_path, "model.safetensors")
         raise CheckpointError(f"cannot load {where}: {first_line(e)}") from None
+
+
+def raised_by_torch_load(error):
+    """Damaged bytes fail in torch's weights-only unpickler as UnpicklingError, IndexError, KeyError..."""
+    torch_files = (os.path.join("torch", "serialization.py"), os.path.join("torch", "_weights_only_unpickler.py"))
+    return any(frame.f_code.co_filename.endswith(torch_files) for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def first_line(error):

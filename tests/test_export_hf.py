@@ -1,6 +1,7 @@
 """export_hf.py: the exported directory is a Hugging Face GPT-2 that matches ours, offline."""
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -170,14 +171,19 @@ def test_an_export_that_disagrees_with_its_source_is_refused(padded, tmp_path, m
     assert os.listdir(tmp_path) == []
 
 
+# Random bytes that torch's weights-only unpickler fails on as UnpicklingError, IndexError and KeyError.
+RANDOM_BYTES_SEED = {"random pytorch_model.bin": 0, "random pytorch_model.bin, IndexError": 2,
+                     "random pytorch_model.bin, KeyError": 20}
+
+
 def damage(directory, kind):
     """Damages a saved Hugging Face GPT-2 directory as a failed download, a bad disk or an attacker would."""
     weights = directory / "model.safetensors"
     if kind == "truncated safetensors":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    elif kind in ("random pytorch_model.bin", "malicious pytorch_model.bin"):
+    elif "pytorch_model.bin" in kind:
         weights.unlink()
-        payload = os.urandom(4096)
+        payload = random.Random(RANDOM_BYTES_SEED.get(kind)).randbytes(4096)
         if kind.startswith("malicious"):
             import pickle
 
@@ -199,6 +205,8 @@ def damage(directory, kind):
 @pytest.mark.parametrize("kind, expected", [
     ("truncated safetensors", "cannot load {dir}/model.safetensors: Error while deserializing header"),
     ("random pytorch_model.bin", "{dir}/pytorch_model.bin: refused: not plain tensors"),
+    ("random pytorch_model.bin, IndexError", "{dir}/pytorch_model.bin: refused: not plain tensors"),
+    ("random pytorch_model.bin, KeyError", "{dir}/pytorch_model.bin: refused: not plain tensors"),
     ("malicious pytorch_model.bin", "{dir}/pytorch_model.bin: refused: not plain tensors"),
     ("n_head 0", "cannot load {dir}: config.json: n_head must be a positive integer, not 0"),
     ("a NaN weight", "{dir}: transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"),
