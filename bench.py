@@ -264,7 +264,9 @@ def bench_loader(args, workdir, record):
     B, T = (4, 256) if args.quick else (16, 1024)
     n_batches = 20 if args.quick else 200
     sizes = (100_000, 1_000_000) if args.quick else (10_000_000, 100_000_000)
-    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "bench"])  # imported once, not again for each fresh process
+    with context.Pool(1, maxtasksperchild=1) as pool:
         for n_tokens in sizes:
             shard = os.path.join(workdir, shard_name(f"loader{n_tokens}", "train", 1))
             write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))

@@ -112,11 +112,11 @@ class WritesAFile:
         return (open, (self.marker, "w"))
 
 
-def test_malicious_checkpoint_is_refused_and_never_runs(shards, tmp_path):
+def test_malicious_checkpoint_is_refused_and_never_runs(shards, tmp_path, capsys):
     WritesAFile.marker = str(tmp_path / "pwned")
     bad = tmp_path / "ckpt_000004.pt"
     torch.save({"model": WritesAFile(), "config": {}, "step": 4}, bad)
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", *RUN, "--resume", bad))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "log", *RUN, "--resume", bad)
     assert "refused" in message and "not a plain-data checkpoint" in message
     with pytest.raises(checkpoint.CheckpointError, match="refused"):
         checkpoint.load_model(str(bad))  # what hellaswag.py, sample.py and export_hf.py load through
@@ -199,11 +199,11 @@ def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
     (np.arange(100, dtype=np.int32), "expected a 1-D uint16 array"),
     (np.zeros(0, dtype=np.uint16), "empty shard"),
 ])
-def test_shards_of_the_wrong_kind_are_named(shards, tmp_path, bad, problem):
+def test_shards_of_the_wrong_kind_are_named(shards, tmp_path, capsys, bad, problem):
     paths = write_token_shards(tmp_path / "data")
     with open(paths[1], "wb") as f:
         np.save(f, bad)
-    message = one_line_error(run_cli("--data_dir", tmp_path / "data", "--log_dir", tmp_path / "log", *RUN))
+    message = error_of(capsys, "--data_dir", tmp_path / "data", "--log_dir", tmp_path / "log", *RUN)
     assert paths[1] in message and problem in message
 
 

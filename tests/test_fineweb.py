@@ -347,6 +347,8 @@ sys.path.insert(0, {repo!r})
 import fineweb
 
 signum, to_group, written, real_write_shard = int(sys.argv[1]), sys.argv[2] == "group", 0, fineweb.write_shard
+# Python leaves SIGINT ignored when it starts ignored (pytest run in the background by a script): Ctrl-C's handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def write_shard(path, tokens):  # signals the run as shard 2 is about to be written, after printing the workers' ids
     global written

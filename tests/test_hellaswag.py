@@ -324,32 +324,29 @@ def test_cli_whose_json_cannot_be_written_after_scoring_says_so_in_one_line(tiny
     assert not out.exists()
 
 
-def one_line_error(proc):
-    assert proc.returncode != 0
-    [line] = proc.stderr.strip().splitlines()
-    return line
-
-
-def test_cli_refuses_what_it_cannot_score_or_write_before_scoring(tiny, tmp_path):
+def test_cli_refuses_what_it_cannot_score_or_write_before_scoring(tiny, tmp_path, capsys, monkeypatch):
     data = write_jsonl(tmp_path / "mini.jsonl", EXAMPLES)
     models = {}
     for name, config in [("small_vocab", GPTConfig(vocab_size=256, n_layer=1, n_head=1, n_embd=8, block_size=128)),
                          ("short_block", GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=16))]:
         models[name] = tmp_path / f"{name}.pt"
         torch.save({"model": GPT(config).state_dict(), "config": dataclasses.asdict(config)}, models[name])
-    assert one_line_error(run_cli("-m", models["small_vocab"], "--data", data, "--device", "cpu")) == (
+
+    def error(*argv):
+        return exit_message(capsys, hellaswag.main, *argv)
+    assert error("-m", models["small_vocab"], "--data", data, "--device", "cpu") == (
         f"hellaswag.py: error: {models['small_vocab']}: a vocabulary of 256 cannot hold GPT-2's 50257 token ids")
     enc = get_encoding()
     too_long = next(n for e in EXAMPLES for ending in e["endings"] if (n := len(enc.encode_ordinary(" " + ending))) > 16)
-    assert one_line_error(run_cli("-m", models["short_block"], "--data", data, "--device", "cpu")) == (
+    assert error("-m", models["short_block"], "--data", data, "--device", "cpu") == (
         f"hellaswag.py: error: {models['short_block']}: an ending of {too_long} tokens does not fit block_size 16")
     (tmp_path / "file").write_text("")
     ckpt = save_train_checkpoint(tiny, tmp_path / "ckpt.pt")
-    line = one_line_error(run_cli("-m", ckpt, "--data", data, "--json", tmp_path / "file" / "out.json"))
+    line = error("-m", ckpt, "--data", data, "--json", tmp_path / "file" / "out.json")
     assert line.startswith(f"hellaswag.py: error: --json {tmp_path / 'file' / 'out.json'}: cannot write there")
-    line = one_line_error(run_cli("-m", ckpt, "--cache_dir", tmp_path / "file" / "cache"))
-    assert line.startswith("hellaswag.py: error: could not download")
-    line = one_line_error(run_cli("-m", ckpt, "--cache_dir", tmp_path / "cache", env={"HELLASWAG_URL": "mirror"}))
+    assert error("-m", ckpt, "--cache_dir", tmp_path / "file" / "cache").startswith("hellaswag.py: error: could not download")
+    monkeypatch.setenv(hellaswag.URL_ENV, "mirror")
+    line = error("-m", ckpt, "--cache_dir", tmp_path / "cache")
     assert line.startswith("hellaswag.py: error: could not download mirror/hellaswag_val.jsonl")
 
 

@@ -134,11 +134,11 @@ def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp
     assert again[:-1] == history and again[-1] == evaluated[0]
 
 
-def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards, tmp_path):
+def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards, tmp_path, capsys):
     run = ["--total_batch_size", "256", "-B", "8", "--checkpoint_interval", "2"]
     history = train(shards, tmp_path, *run, "--max_steps", "6")
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path, *run, "--max_steps", "8",
-                                     "--resume", tmp_path / "ckpt_000002.pt"))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *run, "--max_steps", "8",
+                       "--resume", tmp_path / "ckpt_000002.pt")
     assert "holds checkpoints past step 2 (ckpt_000006.pt, ...)" in message and "mix two runs" in message
     assert read_log(tmp_path) == history
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
@@ -380,42 +380,42 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
 
 
-def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_line(shards, tmp_path):
+def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_line(shards, tmp_path, capsys):
     model_only = save_as_checkpoint(GPT(GPTConfig(**TINY_CONFIG)), tmp_path / "model_only.pt")
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only)
     assert message == f"error: {model_only} holds no optimizer: a model to score or sample, not a run to resume"
     state = torch.load(model_only, weights_only=True)
     del state["step"]  # no step either, as a checkpoint slimmed for sharing is
     torch.save(state, model_only)
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", model_only)
     assert message == f"error: {model_only} holds no optimizer: a model to score or sample, not a run to resume"
     (tmp_path / "file").write_text("")
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path / "file" / "log"))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "file" / "log")
     assert message.startswith(f"error: --log_dir {tmp_path / 'file' / 'log'}: cannot make it")
 
 
-def test_val_shards_too_small_for_one_batch_are_named(tmp_path):
+def test_val_shards_too_small_for_one_batch_are_named(tmp_path, capsys):
     val = write_token_shards(tmp_path, n_val=100)[0]
-    message = one_line_error(run_cli("--data_dir", tmp_path, "--log_dir", tmp_path / "log", "-B", "8"))
+    message = error_of(capsys, "--data_dir", tmp_path, "--log_dir", tmp_path / "log", "-B", "8")
     assert message == f"error: {val}: 100 tokens, too few for one batch of B*T = 256 tokens on each of 1 rank(s)"
 
 
-def test_resume_with_another_architecture_is_refused(shards, tmp_path):
+def test_resume_with_another_architecture_is_refused(shards, tmp_path, capsys):
     train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "2")
-    message = one_line_error(run_cli("--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4",
-                                     "--total_batch_size", "256", "-B", "8", "--n_layer", "3"))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4",
+                       "--total_batch_size", "256", "-B", "8", "--n_layer", "3")
     assert "another architecture" in message and "n_layer 2 (this run: 3)" in message
 
 
-def test_corrupt_shard_is_named_before_training(shards, tmp_path):
+def test_corrupt_shard_is_named_before_training(shards, tmp_path, capsys):
     bad = tmp_path / "bad"
     paths = write_token_shards(bad)
     with open(paths[2], "r+b") as f:
         f.truncate(os.path.getsize(paths[2]) - 10)
-    message = one_line_error(run_cli("--data_dir", bad, "--log_dir", tmp_path / "log", "--max_steps", "2"))
+    message = error_of(capsys, "--data_dir", bad, "--log_dir", tmp_path / "log", "--max_steps", "2")
     assert paths[2] in message and "truncated" in message
     write_shard(paths[2], np.full(5000, 300))  # ids beyond --vocab_size 256
-    message = one_line_error(run_cli("--data_dir", bad, "--log_dir", tmp_path / "log", "--max_steps", "2"))
+    message = error_of(capsys, "--data_dir", bad, "--log_dir", tmp_path / "log", "--max_steps", "2")
     assert paths[2] in message and "token id 300" in message and ">= vocab_size 256" in message
 
 
