@@ -67,8 +67,17 @@ class RunError(Exception):
     """A bad argument or state that stops the run with one line and exit code 1."""
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description as written; each flag's default after its help, unless the help says it or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(add_help=True):
-    p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=add_help)
+    p = Parser(description=__doc__, formatter_class=HelpWithDefaults, add_help=add_help)
     a = p.add_argument
     a("--preset", default="gpt2", choices=PRESETS, help="a named recipe whose values become the defaults")
     a("--data_dir", default="edu_fineweb10B", help="directory of *_train_*.npy and *_val_*.npy shards")

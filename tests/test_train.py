@@ -59,8 +59,11 @@ def assert_same_run(a, b, rel=1e-5):
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
     with pytest.raises(SystemExit):
         train_gpt2.parse_args(["--preset", "demo", "--help"])
-    help_text = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
+    assert "\n    torchrun --standalone --nproc_per_node=8 train_gpt2.py" in out  # the usage examples as written
+    help_text = " ".join(out.split())
     assert "--log_dir LOG_DIR log.jsonl and checkpoints go here (default: log_demo)" in help_text
+    assert "(default: None)" not in help_text and help_text.count("(default: max_steps)") == 1
     flags = [a for a in train_gpt2.build_parser()._actions if a.option_strings and a.dest != "help"]
     assert [a.dest for a in flags if not a.help] == []
 
