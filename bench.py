@@ -5,7 +5,8 @@ device's dense matmul rate, the ceiling the FLOP rates are read against. It asse
     python bench.py                                   # GPT-2 (124M) sizes on a GPU, small ones on a CPU
     python bench.py --quick                           # every part, tiny, well under a minute on 2 cores
     python bench.py --json bench/results/NAME.json    # also write the results as JSON
-    python bench.py --parts train --levers            # also the project with each lever switched off
+    python bench.py --parts train --levers            # also the project with each lever switched off or on
+    python bench.py --parts train --levers recompute_full,chunked_loss   # only those levers
     python bench.py --parts train -B 64,96,128        # several batch sizes (out of memory is recorded)
 
 MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N without the
@@ -50,6 +51,7 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 # Memory levers, switched on one at a time on any device: what --chunked_loss 1 and each
 # --recompute mode cost in time (and, on CUDA, save in peak memory).
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
+ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
 
 
 def parse_args(argv=None):
@@ -61,8 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--compile", default="auto", choices=["auto", "1", "0"])
     p.add_argument("--baseline", type=int, default=1, choices=[0, 1], help="also time the baseline variants")
-    p.add_argument("--levers", action="store_true",
-                   help=f"train: also time the project with each lever switched off in turn ({', '.join(LEVERS)})")
+    p.add_argument("--levers", nargs="?", const=ALL_LEVERS, default=(), type=lever_names,
+                   help="train: also time the project with each lever switched off or on in turn: all of them, "
+                        f"or those named ({', '.join(ALL_LEVERS)})")
     p.add_argument("--n_layer", type=fineweb.positive_int, default=None, help="model size for train (default: by device)")
     p.add_argument("--n_head", type=fineweb.positive_int, default=None)
     p.add_argument("--n_embd", type=fineweb.positive_int, default=None)
@@ -83,11 +86,23 @@ def parse_args(argv=None):
     cfg = train_config(args, args.device.split(":")[0])
     if cfg["n_embd"] % cfg["n_head"]:
         p.error(f"--n_embd {cfg['n_embd']} is not divisible by --n_head {cfg['n_head']}")
+    device_type = args.device.split(":")[0]
+    idle = set(args.levers) - set(levers_that_apply(compiles(args, device_type), device_type))
+    if idle and args.levers != ALL_LEVERS:  # named, not just all of them
+        p.error(f"--levers: {', '.join(sorted(idle))}: not a lever of the project on {device_type} "
+                f"(compile: where it compiles; fused_adamw, cudnn_attention, max_autotune: CUDA)")
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
     if args.json:
         p.check_output("--json", args.json)
     return args
+
+
+def lever_names(text):
+    names = [name for name in text.split(",") if name]
+    if unknown := [name for name in names if name not in ALL_LEVERS]:
+        raise argparse.ArgumentTypeError(f"unknown lever(s) {', '.join(unknown)}")
+    return names
 
 
 def batch_sizes(text):
@@ -134,17 +149,27 @@ def time_steps(step, n_warmup, n_steps, device):
 
 
 def train_runs(args, compile_model, device_type):
-    """(variant, lever) for each timed run, in order: the project and the baseline, then with
-    --levers the project with each lever switched off (-name), with each memory lever switched on,
-    and, on CUDA, with each opt-in lever switched on (+name)."""
+    """(variant, lever) for each timed run, in order: the project and the baseline, then the
+    project with each lever that --levers names and that applies here switched off (-name) or on
+    (+name)."""
     runs = [("project", None)] + [("baseline", None)] * args.baseline
-    if args.levers:
-        applies = {"compile": compile_model, "fused_adamw": device_type == "cuda"}
-        runs += [("project", f"-{lever}") for lever in LEVERS if applies.get(lever, True)]
-        runs += [("project", f"+{lever}") for lever in MEMORY_LEVERS]
-        if device_type == "cuda":
-            runs += [("project", f"+{lever}") for lever in OPT_IN_LEVERS if lever != "max_autotune" or compile_model]
+    applies = levers_that_apply(compile_model, device_type)
+    for names, sign in ((LEVERS, "-"), (MEMORY_LEVERS, "+"), (OPT_IN_LEVERS, "+")):
+        runs += [("project", sign + lever) for lever in names if lever in args.levers and lever in applies]
     return runs
+
+
+def levers_that_apply(compile_model, device_type):
+    """Compile is only switched off where the project compiles, fused AdamW where it is used (CUDA);
+    cuDNN attention and max-autotune are CUDA's, max-autotune compiled only."""
+    on_cuda = device_type == "cuda"
+    applies = {"compile": compile_model, "fused_adamw": on_cuda, "cudnn_attention": on_cuda,
+               "max_autotune": on_cuda and compile_model}
+    return [lever for lever in ALL_LEVERS if applies.get(lever, True)]
+
+
+def compiles(args, device_type):
+    return args.compile == "1" or (args.compile == "auto" and device_type == "cuda")
 
 
 def bench_train(args, device, workdir, record):
@@ -152,7 +177,7 @@ def bench_train(args, device, workdir, record):
     cfg = train_config(args, device_type)
     T = cfg["seq_len"]
     dtype = pick_dtype(args.dtype, device_type)
-    compile_model = args.compile == "1" or (args.compile == "auto" and device_type == "cuda")
+    compile_model = compiles(args, device_type)
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
     n_tokens = (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * T + 1
     write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))

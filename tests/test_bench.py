@@ -88,7 +88,9 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
              (["--json", str(tmp_path / "file" / "x.json")], "cannot write there"),
              (["--parts", "train,foo"], "unknown part(s) foo"),
              (["-B", "64,0"], "-B/--micro_batch_size: '0' is not a positive integer"),
-             (["--warmup", "-1"], "--warmup must be 0 or more")]
+             (["--warmup", "-1"], "--warmup must be 0 or more"),
+             (["--levers", "recompute_full,foo"], "unknown lever(s) foo"),
+             (["--levers", "max_autotune", "--device", "cpu"], "--levers: max_autotune: not a lever of the project on cpu")]
     (tmp_path / "file").write_text("")
     for flags, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -97,6 +99,17 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
         error = capsys.readouterr().err.splitlines()[-1]
         assert "error: " in error and message in error, (flags, error)
     assert os.listdir(tmp_path) == ["file"]
+
+
+def test_levers_named_are_timed_in_the_tables_order():
+    args = bench.parse_args(["--quick", "--device", "cpu", "--levers", "recompute_full,chunked_loss,padded_vocab"])
+    assert bench.train_runs(args, compile_model=False, device_type="cpu") == [
+        ("project", None), ("baseline", None), ("project", "-padded_vocab"), ("project", "+chunked_loss"),
+        ("project", "+recompute_full")]
+    on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
+    assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
+                                                   "+chunked_loss", "+recompute_full", "+recompute_attn",
+                                                   "+recompute_core_attn", "+cudnn_attention", "+max_autotune"]
 
 
 def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
