@@ -6,6 +6,7 @@ after), the root another: it keeps the tied token embedding and head together. A
 large to build whole on every rank is built on the meta device, sharded, then materialized one
 parameter at a time, with exactly the initial weights GPT(config) draws in one process.
 """
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +29,10 @@ def shard(model, dtype, compile_mode=None):
             model.transformer.h.register_module(str(i), block)
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    # The logits are a view (the padded vocabulary's extra rows sliced away). FSDP warns about any
+    # view its modules return, for the in-place op on it that would skip its backward hook; no
+    # caller here modifies logits in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPT\) returned a view tensor")
     return model
 
 

@@ -28,6 +28,7 @@ def shards(tmp_path_factory):
 def torchrun(*flags, nproc=2):
     result = run_torchrun("train_gpt2.py", *TINY, *RUN, *flags, nproc=nproc, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr, result.stderr  # FSDP's about the logits' view, for one
     return result
 
 
