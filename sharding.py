@@ -20,13 +20,13 @@ from model import GPT
 def shard(model, dtype, compile_mode=None):
     """Shards model in place: each Block, then the root. Under bf16 or fp16 the weights are
     gathered and computed in that dtype while the sharded masters stay float32, and gradients
-    are reduced in float32. compile_mode compiles each Block before it is sharded (FSDP's hooks
-    stay outside the compiled graphs), as torchtitan does."""
+    are reduced in float32. compile_mode compiles each Block's forward, as torchtitan compiles each
+    block: FSDP's hooks stay outside the graph, which the blocks share (one compilation), and the
+    parameters keep their names (a compiled wrapper would add _orig_mod. to them)."""
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
-    for i, block in enumerate(model.transformer.h):
+    for block in model.transformer.h:
         if compile_mode is not None:
-            block = torch.compile(block, mode=None if compile_mode == "default" else compile_mode)
-            model.transformer.h.register_module(str(i), block)
+            block.forward = torch.compile(block.forward, mode=None if compile_mode == "default" else compile_mode)
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     # The logits are a view (the padded vocabulary's extra rows sliced away). FSDP warns about any

@@ -9,6 +9,7 @@ with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B 
 """
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -571,7 +572,7 @@ def setup_distributed(device_arg):
         # Imported before the group exists: on first import this module binds the default group
         # as a default argument (DDP imports it, through torch._dynamo) and would hold it, and
         # gloo's worker threads, past leave_process_group.
-        import torch.distributed.nn  # noqa: F401
+        importlib.import_module("torch.distributed.nn")  # not `import torch...`: that would make torch local here
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=restart_safe_store(world_size), rank=rank, world_size=world_size)
     return rank, local_rank, world_size, device

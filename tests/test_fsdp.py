@@ -12,7 +12,7 @@ import checkpoint
 import hellaswag
 from conftest import REPO, exit_message, listdir, run_torchrun
 from test_hellaswag import EXAMPLES, write_jsonl
-from test_train import TINY, assert_same_run, read_log, train, train_records
+from test_train import COMPILED_TRAIN, TINY, assert_same_run, read_log, train, train_records
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]
 
@@ -112,6 +112,21 @@ def test_sharded_checkpoints_resume_exactly_on_2_ranks_or_1_after_a_sigterm(shar
     # Resharded: one process, without FSDP, from the checkpoint 2 ranks wrote.
     one = train(shards, tmp_path / "one", *RUN, "--max_steps", "8", "--resume", tmp_path / "full" / "ckpt_000004", "-B", "8")
     assert_same_run([r for r in full if r["step"] >= 4], one)
+
+
+def test_compiled_blocks_under_fsdp_train_as_eager_and_keep_their_names(shards, tmp_path):
+    """--compile 1 under FSDP (as on a GPU; dynamo's eager backend here) compiles each Block's
+    forward: the losses are the eager run's, and the parameter names are GPT's, for the meta-device
+    build that finds each by name and for the sharded checkpoint."""
+    script = tmp_path / "train_compiled.py"
+    script.write_text(COMPILED_TRAIN.format(repo=REPO))
+    flags = [*TINY, *RUN, "--data_dir", shards, "--max_steps", "3", "--fsdp", "1", "-B", "2"]
+    result = run_torchrun(script, *flags, "--compile", "1", "--log_dir", tmp_path / "compiled", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the step runs through FSDPGPT of NoneType" in result.stdout  # the blocks are compiled, not the root
+    torchrun("--data_dir", shards, "--max_steps", "3", "--fsdp", "1", "-B", "2", "--log_dir", tmp_path / "eager")
+    assert_same_run(read_log(tmp_path / "eager"), read_log(tmp_path / "compiled"))
+    assert_same_weights(tmp_path / "eager" / "ckpt_000003", tmp_path / "compiled" / "ckpt_000003", atol=1e-5)
 
 
 def assert_same_weights(a, b, atol):

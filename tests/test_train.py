@@ -269,6 +269,17 @@ def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
         assert torch.allclose(tensor, ddp_weights[key], atol=1e-5), key
 
 
+def test_a_cuda_process_sets_its_device(monkeypatch):
+    """Each process on CUDA makes its device current before any collective or allocation (on a GPU
+    machine this path once failed at its first line: a function-local import had made torch local)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    current = []
+    monkeypatch.setattr(train_gpt2, "pick_device", lambda arg, local_rank: "cuda:1")
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert train_gpt2.setup_distributed("cuda:1") == (0, 0, 1, "cuda:1") and current == ["cuda:1"]
+
+
 def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     """With gradient_as_bucket_view, DDP's all-reduce buckets are the gradients: every micro-step
     of every step accumulates into them, never into a second, freshly allocated set."""
@@ -537,7 +548,7 @@ real_build = train_gpt2.build_trainable
 
 def build_trainable(*args, **kwargs):
     t = real_build(*args, **kwargs)
-    print(f"the step runs through {{type(t.model).__name__}} of {{type(t.model._orig_mod).__name__}}")
+    print(f"the step runs through {{type(t.model).__name__}} of {{type(getattr(t.model, '_orig_mod', None)).__name__}}")
     return t
 train_gpt2.build_trainable = build_trainable
 train_gpt2.main()
