@@ -253,7 +253,10 @@ def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
         model = t = None
         gc.collect()
         if device_type == "cuda":
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except RuntimeError:  # the device failed (an illegal memory access, say): recorded above, and in each run after
+                pass
 
 
 # ----------------------------------------------------------------------------- loader

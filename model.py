@@ -2,12 +2,14 @@
 equal to Hugging Face's GPT2LMHeadModel so weights move between the two freely.
 """
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import generate
@@ -80,6 +82,7 @@ def _summed_cross_entropy(x, head, targets):
 
 class CausalSelfAttention(nn.Module):
     recompute_core = False  # set by GPT.set_recompute: a training choice, not part of the model
+    kernels = None  # set by GPT.set_attention: the SDPA backends allowed (None: torch's choice)
 
     def __init__(self, config):
         super().__init__()
@@ -112,8 +115,11 @@ class CausalSelfAttention(nn.Module):
     def core(self, q, k, v, mask):
         # Flash attention; a lone new query may see every earlier position, so needs no mask. An
         # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        # The backends are chosen here, inside the forward: a compiled graph picks its kernel when
+        # traced, and does not see an sdpa_kernel context around the call.
+        with sdpa_kernel(self.kernels) if self.kernels else nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -220,6 +226,11 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             block.recompute = mode if i % every == 0 else "none"
             block.attn.recompute_core = block.recompute == "core_attn"
+
+    def set_attention(self, kernels):
+        """The SDPA backends (a list of torch.nn.attention.SDPBackend) every layer may use; None: torch's choice."""
+        for block in self.transformer.h:
+            block.attn.kernels = kernels
 
     def head(self, x):
         """Hidden states (..., n_embd) -> logits (..., n_tokens). Padding rows are computed (the

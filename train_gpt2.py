@@ -17,12 +17,12 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -222,15 +222,11 @@ class Trainable:
     chunked_loss: bool = False  # the loss by model.chunked_cross_entropy: no whole logits tensor
 
     def forward_context(self):
-        """Autocast and the chosen attention kernel, for one forward pass (and the backward it records)."""
-        stack = ExitStack()
-        stack.enter_context(autocast(self.device.split(":")[0], self.dtype))
-        if self.attention != "auto":
-            stack.enter_context(sdpa_kernel(ATTENTION_KERNELS[self.attention]))
-        return stack
+        """Autocast, for one forward pass (and the backward it records)."""
+        return autocast(self.device.split(":")[0], self.dtype)
 
 
-ATTENTION_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+ATTENTION_KERNELS = {"auto": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
 
 
 @dataclass
@@ -313,6 +309,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
     fused_adamw=False. recompute, recompute_every: see GPT.set_recompute."""
     raw_model.set_recompute(recompute, recompute_every)
+    raw_model.set_attention(ATTENTION_KERNELS[attention])
     if fsdp:
         model = sharding.shard(raw_model, dtype, compile_mode)
         if init is not None:
@@ -573,8 +570,9 @@ def setup_distributed(device_arg):
         # as a default argument (DDP imports it, through torch._dynamo) and would hold it, and
         # gloo's worker threads, past leave_process_group.
         importlib.import_module("torch.distributed.nn")  # not `import torch...`: that would make torch local here
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=restart_safe_store(world_size), rank=rank, world_size=world_size)
+        on_cuda = device.startswith("cuda")  # NCCL for CUDA, bound to this process's GPU
+        dist.init_process_group("nccl" if on_cuda else "gloo", store=restart_safe_store(world_size), rank=rank,
+                                world_size=world_size, device_id=torch.device(device) if on_cuda else None)
     return rank, local_rank, world_size, device
 
 

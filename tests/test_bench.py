@@ -130,10 +130,14 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
 
     def build(model, *args, **kwargs):
         built.append(((model, *args), kwargs))
-        # What SDPA is allowed to run, seen from inside each forward of the timed step.
-        model.register_forward_pre_hook(lambda *_: flash.append((kwargs["attention"], torch.backends.cuda.flash_sdp_enabled())))
         return train_gpt2.build_trainable(model, *args, **kwargs)
     monkeypatch.setattr(bench, "build_trainable", build)
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):  # what SDPA is allowed to run, seen where it runs
+        flash.append((built[-1][1]["attention"], torch.backends.cuda.flash_sdp_enabled()))
+        return real_sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
     def step(t, loader, lr):
         stepped.append((t.grad_accum_steps, loader.B))

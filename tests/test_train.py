@@ -298,8 +298,9 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
         for step in range(2):
             assert not train_gpt2.train_step(t, loader, 1e-3).skipped
-    finally:
-        dist.destroy_process_group()
+    finally:  # DDP's reducer freed before the group, as the trainer does: freed after, it can hang joining gloo's threads
+        model = t = None
+        train_gpt2.leave_process_group()
     # The first step allocates, and DDP copies into its bucket and keeps the bucket as the gradient.
     assert len(where) == 4 and where[2] == where[3] == raw_model.lm_head.weight.grad.data_ptr() != where[0]
 
