@@ -113,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v, mask):
-        # Flash attention; a lone new query may see every earlier position, so needs no mask. An
+        # A fused kernel (flash, cuDNN); a lone new query may see every earlier position, so needs no mask. An
         # explicit mask (padding) takes SDPA off its fastest kernels: only generation passes one.
         # The backends are chosen here, inside the forward: a compiled graph picks its kernel when
         # traced, and does not see an sdpa_kernel context around the call.
