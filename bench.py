@@ -83,10 +83,10 @@ def parse_args(argv=None):
         args.device = pick_device(args.device)
     except ValueError as e:
         p.error(f"--device: {e}")
-    cfg = train_config(args, args.device.split(":")[0])
+    device_type = args.device.split(":")[0]
+    cfg = train_config(args, device_type)
     if cfg["n_embd"] % cfg["n_head"]:
         p.error(f"--n_embd {cfg['n_embd']} is not divisible by --n_head {cfg['n_head']}")
-    device_type = args.device.split(":")[0]
     idle = set(args.levers) - set(levers_that_apply(compiles(args, device_type), device_type))
     if idle and args.levers != ALL_LEVERS:  # named, not just all of them
         p.error(f"--levers: {', '.join(sorted(idle))}: not a lever of the project on {device_type} "

@@ -218,7 +218,6 @@ class Trainable:
     dtype: torch.dtype  # autocast's; float32 is none
     grad_accum_steps: int
     grad_clip: float  # 0: no clipping
-    attention: str = "auto"  # SDPA's kernel: torch's choice, cuDNN's, or the math reference
     chunked_loss: bool = False  # the loss by model.chunked_cross_entropy: no whole logits tensor
 
     def forward_context(self):
@@ -325,8 +324,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     optimizer = raw_model.configure_optimizers(weight_decay, lr, device.split(":")[0], fused=fused_adamw)
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
     scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
-    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, attention,
-                     chunked_loss)
+    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, chunked_loss)
 
 
 # ----------------------------------------------------------------------------- the run
