@@ -11,14 +11,19 @@ either kind, sharded or not, on any number of ranks.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
+import dataclasses
+import errno
 import glob
 import io
 import os
 import pickle
 import re
 import shutil
+import socket
+import stat
 import sys
 import traceback
+import urllib.parse
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -26,10 +31,15 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from atomic import atomic_open
 from model import GPT, GPTConfig
@@ -41,6 +51,10 @@ TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's a
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, damaged, or not plain data."""
+
+
+class UnreadableShards(CheckpointError):
+    """A sharded checkpoint whose shards cannot be read into this model: found only as they are read."""
 
 
 def checkpoint_path(log_dir, step, sharded=False):
@@ -262,9 +276,180 @@ def load_sharded(path, model, optimizer=None):
 
 
 def dcp_load(tensors, path):
-    with warnings.catch_warnings():  # in one process DCP warns that it reads without torch.distributed, as meant
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=path)
+    """DCP's load, reading nothing but plain data: the metadata, every entry's kind and shape and
+    every shard's bytes are checked before a byte of the shards is read (PlainDataPlanner,
+    PlainDataReader), on every rank alike. Any refusal or damage is one UnreadableShards."""
+    planner, reader = PlainDataPlanner(path), PlainDataReader(path)
+    try:
+        metadata = reader.read_metadata()
+        planner.set_up_planner(tensors, metadata)  # the checks, here rather than inside DCP's collectives
+        reader.set_up_storage_reader(metadata, is_coordinator=True)
+        with warnings.catch_warnings():  # in one process DCP warns that it reads without torch.distributed, as meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(tensors, storage_reader=reader, planner=planner)
+    except CheckpointError as e:
+        raise UnreadableShards(str(e)) from None
+    except CheckpointException as e:  # a damaged shard, on some rank: every rank hears of it
+        errors = [error for error, _ in e.failures.values()]
+        found = next((str(x) for x in errors if isinstance(x, CheckpointError)), None)
+        raise UnreadableShards(found or f"{path}: damaged sharded checkpoint ({first_line(errors[0])})") from None
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP reads a checkpoint's .metadata with pickle, which would run whatever code a crafted
+    file holds: it is read here instead, where nothing but these named classes can be built.
+    Names are matched whole: a dotted one, which pickle would resolve attribute by attribute
+    (the module's `os`, then its `system`), is never among them."""
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                                  "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                                  "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"} | {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+        "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module, name):
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def read_metadata(path):
+    """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone."""
+    file = os.path.join(path, ".metadata")
+    try:
+        data = read_regular_file(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        unsafe = re.search(r"GLOBAL (\S+)", str(e))
+        if unsafe:
+            raise CheckpointError(f"{path}: refused: its .metadata is not DCP's plain metadata (it would construct "
+                                  f"{unsafe.group(1)}); nothing in it was run") from None
+        raise CheckpointError(f"{file}: damaged ({first_line(e)})") from None
+    except Exception as e:  # truncated, not a pickle at all
+        raise CheckpointError(f"{file}: damaged ({type(e).__name__}: {first_line(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{file}: damaged (not DCP's metadata)")
+    return metadata
+
+
+def read_regular_file(path):
+    """path's bytes; an OSError unless it is a regular file (a FIFO or /dev/zero would never end)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class PlainDataPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but an entry is read only as the kind that this state holds there (a
+    tensor of its shape, or plain data), and plain data is read with weights_only=True: DCP's own
+    reads it with weights_only=False, so a crafted entry declared "bytes" would run its pickle."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path  # for messages
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for key, value in self.state_dict.items():
+            problem = entry_problem(metadata.state_dict_metadata.get(key), value)
+            if problem:
+                raise CheckpointError(f"{self.path}: refused: its entry {key} {problem}; nothing was read")
+
+    def load_bytes(self, read_item, value):
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: refused: its entry {read_item.dest_index.fqn} is not plain data "
+                                  f"({first_line(e)}); nothing in it was run") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class PlainDataReader(FileSystemReader):
+    """DCP's file reader, but the metadata is read by read_metadata, every piece it places must lie
+    within a regular file of the directory before any is read, and a shard that fails to load is
+    named."""
+
+    def read_metadata(self, *args, **kwargs):
+        return read_metadata(str(self.path))
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        check_shards(str(self.path), metadata.storage_data)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def read_data(self, plan, planner):
+        by_file = {}
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CheckpointError(f"{self.path}: damaged: its .metadata places no shard for {item.storage_index.fqn}")
+            by_file.setdefault(info.relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as e:  # zeroed or overwritten bytes
+                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged shard "
+                                      f"({type(e).__name__}: {first_line(e)})") from None
+        done = Future()
+        done.set_result(None)
+        return done
+
+
+def check_shards(path, storage_data):
+    """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
+    within a regular file directly in path, stored as this project writes it (no transforms)."""
+    sizes = {}
+    for info in storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..") \
+                or os.path.basename(name) != name:
+            raise CheckpointError(f"{path}: refused: its .metadata places a shard outside the directory ({name!r})")
+        file = os.path.join(path, name)
+        if info.transform_descriptors:
+            raise CheckpointError(f"{file}: refused: stored through transforms {list(info.transform_descriptors)}, "
+                                  f"which this project never writes")
+        if name not in sizes:
+            try:
+                mode_size = os.stat(file)
+            except OSError as e:
+                raise CheckpointError(f"{file}: missing shard ({first_line(e)})") from None
+            if not stat.S_ISREG(mode_size.st_mode):
+                raise CheckpointError(f"{file}: not a regular file: no shard that train_gpt2.py writes")
+            sizes[name] = mode_size.st_size
+        offset, length = info.offset, info.length
+        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
+                and offset + length <= sizes[name]):
+            raise CheckpointError(f"{file}: truncated or damaged shard ({length!r} bytes at {offset!r} in its "
+                                  f".metadata; the file holds {sizes[name]})")
+
+
+def entry_problem(entry, value):
+    """Why a checkpoint's entry (DCP's metadata of it) cannot be read into value, or None."""
+    if entry is None:
+        return "is missing (a checkpoint of another model or optimizer)"
+    if isinstance(value, torch.Tensor):
+        if not isinstance(entry, TensorStorageMetadata):
+            return "is declared plain data where this model holds a tensor"
+        if tuple(entry.size) != tuple(value.size()):
+            return f"has shape {tuple(entry.size)}, not this model's {tuple(value.size())} (another model size)"
+        return None
+    if not isinstance(entry, BytesStorageMetadata):
+        return "is declared a tensor where this model holds plain data"
+    return None
 
 
 def load_whole_into_sharded(state, model, optimizer):
@@ -279,36 +464,6 @@ def load_whole_into_sharded(state, model, optimizer):
                                 for g in with_kernel_flags(saved["param_groups"], optimizer)]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name,
                    options=StateDictOptions(full_state_dict=True))
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP reads a checkpoint's .metadata with pickle, which would run whatever code a crafted
-    file holds: it is first read here, where nothing but DCP's own metadata can be built."""
-    ALLOWED = {"torch.distributed.checkpoint.metadata": None, "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-               "torch.serialization": {"_get_layout"}, "torch": {"Size"}, "pathlib": {"PosixPath", "WindowsPath", "Path"},
-               "collections": {"OrderedDict"}}
-
-    def find_class(self, module, name):
-        allowed = self.ALLOWED.get(module, ())
-        if (allowed is None or name in allowed) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
-
-
-def check_sharded(path):
-    """Raises CheckpointError unless path's .metadata is DCP's plain metadata."""
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            MetadataUnpickler(io.BytesIO(f.read())).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
-    except pickle.UnpicklingError as e:
-        unsafe = re.search(r"GLOBAL (\S+)", str(e))
-        what = f"it would construct {unsafe.group(1)}" if unsafe else first_line(e)
-        raise CheckpointError(f"{path}: refused: its .metadata is not DCP's plain metadata ({what}); "
-                              f"nothing in it was run") from None
-    except Exception as e:  # truncated, not a pickle at all
-        raise CheckpointError(f"{path}: damaged sharded checkpoint ({type(e).__name__}: {first_line(e)})") from None
 
 
 def find_resume(resume, log_dir):
@@ -351,7 +506,7 @@ def load_checkpoint(path, map_location="cpu"):
     sharded checkpoint, only train_state.pt: its tensors are read into a model by
     restore_training or load_model."""
     if is_sharded_checkpoint(path):
-        check_sharded(path)
+        check_shards(path, read_metadata(path).storage_data)  # what can be checked without reading the shards
         return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
     return _load_plain(path, map_location)
 
@@ -377,11 +532,14 @@ def _load_plain(path, map_location, require=("model", "config")):
     return state
 
 
-def latest_checkpoint(log_dir, map_location="cpu"):
-    """(path, state) of the newest checkpoint in log_dir that loads, or None if there is none. A
-    damaged newer one (a bad disk, a hand edit) is skipped with a warning; if every one is damaged,
-    CheckpointError: starting again from step 0 would overwrite the run they hold."""
-    paths, problems = list_checkpoints(log_dir), []
+def latest_checkpoint(log_dir, map_location="cpu", before=None):
+    """(path, state) of the newest checkpoint in log_dir (of a step before `before`, if given) that
+    loads, or None if log_dir holds no checkpoint. A damaged newer one (a bad disk, a hand edit) is
+    skipped with a warning; if every one is damaged, CheckpointError: starting again from step 0
+    would overwrite the run they hold."""
+    every = list_checkpoints(log_dir)
+    paths = [p for p in every if before is None or checkpoint_step(p) < before]
+    problems = []
     for path in reversed(paths):
         try:
             state = load_checkpoint(path, map_location)
@@ -391,8 +549,8 @@ def latest_checkpoint(log_dir, map_location="cpu"):
         for problem in problems:
             print(f"warning: skipping {problem}", file=sys.stderr)
         return path, state
-    if paths:
-        names = ", ".join(os.path.basename(p) for p in paths)
+    if every:
+        names = ", ".join(os.path.basename(p) for p in every)
         raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "
                               f"--resume none, which moves them aside")
     return None
@@ -416,20 +574,23 @@ def remove_unfinished(log_dir):
 
 
 def load_model(name_or_path, map_location="cpu"):
-    """A GPT from a checkpoint of train_gpt2.py (a .pt file), or from OpenAI's GPT-2
-    (gpt2 ... gpt2-xl) or a Hugging Face GPT-2 directory. Any failure is a CheckpointError
-    of one line, so every script reports a model it cannot load the same way."""
+    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory), or from
+    OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging Face GPT-2 directory. Any failure is a
+    CheckpointError of one line, so every script reports a model it cannot load the same way."""
     # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
     if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
-        try:
-            model = GPT(GPTConfig(**state["config"]))
-            if is_sharded_checkpoint(name_or_path):
-                load_sharded(name_or_path, model)
-            else:
+        model = model_of(name_or_path, state["config"])
+        if is_sharded_checkpoint(name_or_path):
+            load_sharded(name_or_path, model)
+        else:
+            try:
                 model.load_state_dict(state["model"])
-        except (TypeError, ValueError, RuntimeError) as e:  # a config or weights that are not this GPT's
-            raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
+            except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's
+                raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
+    elif names_a_path(name_or_path) and not os.path.isdir(name_or_path):
+        what = "not a regular file or a directory" if os.path.exists(name_or_path) else "no such file or directory"
+        raise CheckpointError(f"{name_or_path}: {what}")
     else:
         model = load_pretrained(name_or_path)
     for name, tensor in model.state_dict().items():
@@ -438,21 +599,53 @@ def load_model(name_or_path, map_location="cpu"):
     return model
 
 
+def model_of(path, config):
+    """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError."""
+    try:
+        return GPT(GPTConfig(**config))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
+
+
+def names_a_path(name):
+    """Whether name can only be a path: a hub id is NAME or OWNER/NAME."""
+    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1
+
+
 def load_pretrained(name_or_path):
     """GPT.from_pretrained, every failure one line: an unknown name, no network, a directory that
     is not GPT-2's, or one damaged (a truncated safetensors file, a pickle that is not plain tensors)."""
+    unreachable = not os.path.isdir(name_or_path) and hub_unreachable()
     try:
         with warnings.catch_warnings():  # torch's multi-line warning about a file it refused: the error says it
             warnings.simplefilter("ignore")
-            return GPT.from_pretrained(name_or_path)
+            return GPT.from_pretrained(name_or_path, local_files_only=unreachable is not None)
     except Exception as e:
         if raised_by_torch_load(e):  # transformers reads pytorch_model.bin with weights_only=True
             raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "
                                   f"(damaged, or a pickle that would run code); nothing in it was run") from None
+        if unreachable:
+            raise CheckpointError(f"cannot load {name_or_path}: it is not in the Hugging Face cache, and {unreachable}")
         where = name_or_path
         if type(e).__name__ == "SafetensorError":
             where = os.path.join(name_or_path, "model.safetensors")
         raise CheckpointError(f"cannot load {where}: {first_line(e)}") from None
+
+
+def hub_unreachable(timeout=5):
+    """Why the Hugging Face hub cannot be reached, or None if it can (or through a proxy, which this
+    cannot test). Asked once, up front: offline, huggingface_hub retries each file for a minute."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"{url.hostname} cannot be reached ({first_line(e)}): no network?"
+    return None
 
 
 def raised_by_torch_load(error):
@@ -478,11 +671,12 @@ def main(argv=None):
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
     try:
         state = load_checkpoint(args.sharded)
-        model = GPT(GPTConfig(**state["config"]))
+        model = model_of(args.sharded, state["config"])
         optimizer = model.configure_optimizers(0.0, 0.0, "cpu", fused=False)  # the groups' values come from the checkpoint
-        load_sharded(args.sharded, model, optimizer)
-    except (CheckpointError, TypeError, RuntimeError, OSError) as e:
-        parser.fail(f"{args.sharded}: {first_line(e)}")
+        with restoring(args.sharded, "model and optimizer"):
+            load_sharded(args.sharded, model, optimizer)
+    except CheckpointError as e:
+        parser.fail(str(e))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
     if not save_checkpoint(args.out, state):
         sys.exit(1)

@@ -272,12 +272,12 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
 
     @classmethod
-    def from_pretrained(cls, name_or_path):
-        """OpenAI's GPT-2 ("gpt2" ... "gpt2-xl", from the Hugging Face hub) or a local
-        directory holding a Hugging Face GPT-2 checkpoint."""
+    def from_pretrained(cls, name_or_path, local_files_only=False):
+        """OpenAI's GPT-2 ("gpt2" ... "gpt2-xl", from the Hugging Face hub or its local cache) or a
+        local directory holding a Hugging Face GPT-2 checkpoint."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        hf = GPT2Config.from_pretrained(name_or_path)  # checked before any weight is read
+        hf = GPT2Config.from_pretrained(name_or_path, local_files_only=local_files_only)  # checked before any weight is read
         # The config fields that change the maths, with the values at which it is GPT-2's: the
         # weights alone would load into a model that computes something else. (A field that adds
         # weights, such as add_cross_attention, fails load_hf_state_dict instead.) Not among them:
@@ -295,7 +295,7 @@ class GPT(nn.Module):
                                n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
         except ValueError as e:
             raise ValueError(f"config.json: {e}") from None
-        hf_model = GPT2LMHeadModel.from_pretrained(name_or_path)
+        hf_model = GPT2LMHeadModel.from_pretrained(name_or_path, local_files_only=local_files_only)
         model = cls(config)
         model.load_hf_state_dict(hf_model.state_dict(), source=name_or_path)
         return model

@@ -32,8 +32,8 @@ import hellaswag
 import sharding
 from atomic import DirectoryInUse, atomic_open, claim_directory
 import checkpoint
-from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, load_model,
-                        prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
+from checkpoint import (CheckpointError, UnreadableShards, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, latest_checkpoint,
+                        load_model, prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
@@ -703,16 +703,26 @@ def build_model(args, device, log):
 def resume(args, t, train_loader, log):
     """Restores the checkpoint --resume names, if any, into t and the loader; returns the step to
     start from. Every rank reads the checkpoint itself, so all must find the same one: on several
-    nodes, log_dir must be shared storage."""
+    nodes, log_dir must be shared storage. Under --resume auto, a sharded checkpoint whose shards
+    cannot be read (damage shows only then) is passed over for the next older one, which
+    overwrites whatever the failed restore had loaded."""
     found = find_resume(args.resume, args.log_dir)
-    steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
-    if len(set(steps)) > 1:
-        raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
-                       f"on several nodes, --log_dir must be a directory they all share")
-    if found is None:
-        return 0
-    path, state = found
-    step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
+    while True:
+        steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
+        if len(set(steps)) > 1:
+            raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                           f"on several nodes, --log_dir must be a directory they all share")
+        if found is None:
+            return 0
+        path, state = found
+        try:
+            step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
+            break
+        except UnreadableShards as e:
+            if args.resume != "auto":
+                raise
+            log(f"warning: skipping {e}")
+            found = latest_checkpoint(args.log_dir, before=checkpoint.checkpoint_step(path))
     log(f"resuming from {path} at step {step}")
     if args.resume != "auto" and step < args.max_steps:
         check_no_later_checkpoints(args.log_dir, step)

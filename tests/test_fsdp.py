@@ -200,3 +200,22 @@ def test_a_one_file_checkpoint_resumes_under_fsdp(shards, tmp_path):
     torchrun("--data_dir", shards, "--max_steps", "4", "--resume", tmp_path / "single" / "ckpt_000002.pt",
              "-B", "2", "--fsdp", "1", "--log_dir", tmp_path / "fsdp")
     assert_same_run([r for r in single if r["step"] >= 2], read_log(tmp_path / "fsdp"))
+
+
+def test_a_crafted_sharded_checkpoint_runs_nothing_when_resumed_under_fsdp(shards, evaluated_runs, tmp_path):
+    """Two ranks resume from a checkpoint whose .metadata declares a weight a "bytes" item stored
+    in a pickle that would create a file: both refuse it before reading, and the run stops in one line."""
+    from test_checkpoint import WritesAFile, declare_bytes
+    _, (fsdp_dir, _), _ = evaluated_runs
+    crafted = tmp_path / "ckpt_000002"
+    shutil.copytree(fsdp_dir / "ckpt_000002", crafted)
+    (crafted / "payload.distcp").write_bytes(pickle.dumps(WritesAFile(str(tmp_path / "ran"))))
+    declare_bytes(crafted, "model.lm_head.weight", crafted / "payload.distcp")
+    result = run_torchrun("train_gpt2.py", *TINY, *RUN, "--vocab_size", "50304", "--fsdp", "1", "-B", "2",
+                          "--data_dir", shards, "--log_dir", tmp_path / "log",
+                          "--resume", crafted, timeout=180)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {crafted}: refused: its entry model.lm_head.weight is declared plain data where this model holds a "
+        f"tensor; nothing was read")
+    assert not (tmp_path / "ran").exists()

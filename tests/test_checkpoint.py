@@ -1,0 +1,231 @@
+"""checkpoint.py: sharded checkpoints are read as plain data by every reader and by resume; a
+crafted one never runs code, a damaged one is one line naming the file, and --resume auto
+passes over it to an older good one."""
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+import checkpoint
+import export_hf
+import hellaswag
+import sample
+from conftest import REPO, exit_message, write_token_shards
+from model import GPT, GPTConfig
+from test_hellaswag import EXAMPLES, write_jsonl
+from test_train import TINY_CONFIG, assert_same_run, error_of, read_log, train
+
+RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("shards")
+    write_token_shards(directory)
+    return str(directory)
+
+
+def as_sharded(one_file, directory):
+    """A one-file checkpoint of train_gpt2.py rewritten as the sharded kind (what --fsdp 1 writes)."""
+    state = checkpoint.load_checkpoint(str(one_file))
+    model = GPT(GPTConfig(**state["config"]))
+    model.load_state_dict(state["model"])
+    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
+    checkpoint.load_optimizer_state(optimizer, state["optimizer"])
+    rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    checkpoint.save_sharded(str(directory), model, optimizer, rest)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(shards, tmp_path_factory):
+    """(records of a 4-step run, its log_dir holding ckpt_000002/ and ckpt_000004/, sharded)."""
+    log_dir = tmp_path_factory.mktemp("sharded_run")
+    records = train(shards, log_dir, *RUN)
+    for step in (2, 4):
+        one_file = log_dir / f"ckpt_{step:06d}.pt"
+        as_sharded(one_file, log_dir / f"ckpt_{step:06d}")
+        os.remove(one_file)
+    return records, log_dir
+
+
+@pytest.fixture
+def copy(sharded_run, tmp_path):
+    """A fresh copy of the run's log_dir, to damage."""
+    shutil.copytree(sharded_run[1], tmp_path / "log")
+    return tmp_path / "log"
+
+
+def stack_global_call(module, name, arg):
+    """A protocol-4 pickle that asks module for the (dotted) name and calls it with arg."""
+    def text(s):
+        b = s.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+class WritesAFile:
+    """A pickle that, unpickled by a trusting loader, creates a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def read_metadata(path):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)  # the test's own file: trusted
+
+
+def declare_bytes(ckpt, key, payload_file):
+    """Rewrites ckpt's .metadata (only DCP's own classes) so that its entry key is a bytes item
+    stored in payload_file, which holds a pickle that would create a marker file."""
+    metadata = read_metadata(ckpt)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(os.path.basename(payload_file), 0,
+                                                             os.path.getsize(payload_file))
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def readers(ckpt, tmp_path):
+    """Each script that reads a model, as a call that exits with its one-line error."""
+    examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
+    return {
+        "checkpoint.py": (checkpoint.main, [ckpt, tmp_path / "out.pt"]),
+        "hellaswag.py": (hellaswag.main, ["-m", ckpt, "--data", examples, "--device", "cpu"]),
+        "sample.py": (sample.main, ["--model", ckpt, "--device", "cpu", "--max_new_tokens", "1"]),
+        "export_hf.py": (export_hf.main, [ckpt, tmp_path / "hf"]),
+    }
+
+
+def assert_every_reader_refuses(ckpt, tmp_path, capsys, expected):
+    for script, (main, argv) in readers(ckpt, tmp_path).items():
+        message = exit_message(capsys, main, *argv)
+        assert message.startswith(f"{script}: error: ") and expected in message, message
+        assert str(ckpt) in message, message
+    assert not os.path.exists(tmp_path / "out.pt") and not os.path.exists(tmp_path / "hf")
+
+
+def test_a_dotted_name_in_the_metadata_is_refused_by_every_reader_and_by_resume(copy, shards, tmp_path, capsys):
+    """Pickle resolves "os.system" inside DCP's metadata module (its `import os`): a module's
+    whole namespace allowed would run it."""
+    marker = tmp_path / "ran"
+    ckpt = copy / "ckpt_000004"
+    (ckpt / ".metadata").write_bytes(stack_global_call("torch.distributed.checkpoint.metadata", "os.system",
+                                                       f"touch {marker}"))
+    expected = "refused: its .metadata is not DCP's plain metadata (it would construct " \
+               "torch.distributed.checkpoint.metadata.os.system); nothing in it was run"
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    # Resume: passed over with a warning for the older good checkpoint...
+    shutil.rmtree(copy / "ckpt_000002")
+    # ...and with none, one line.
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", copy, *RUN, "--max_steps", "6")
+    assert message.startswith(f"error: no checkpoint in {copy} can be read (ckpt_000004)"), message
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt)
+    assert expected in message
+    assert not marker.exists()
+
+
+def test_a_bytes_item_where_a_tensor_belongs_is_refused_before_anything_is_read(copy, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    ckpt = copy / "ckpt_000004"
+    (ckpt / "payload.distcp").write_bytes(pickle.dumps(WritesAFile(str(marker))))
+    declare_bytes(ckpt, "model.transformer.wte.weight", ckpt / "payload.distcp")
+    expected = "refused: its entry model.transformer.wte.weight is declared plain data where this model holds a tensor"
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert not marker.exists()
+
+
+def test_plain_data_entries_are_read_with_weights_only(copy, sharded_run, shards, tmp_path, capsys):
+    """An entry that is plain data (AdamW's hyperparameters), pointed at a pickle that would run
+    code: the conversion and --resume read it, and refuse it."""
+    marker = tmp_path / "ran"
+    ckpt = copy / "ckpt_000004"
+    (ckpt / "payload.distcp").write_bytes(pickle.dumps(WritesAFile(str(marker))))
+    declare_bytes(ckpt, "optimizer.param_groups.0.lr", ckpt / "payload.distcp")
+    expected = "refused: its entry optimizer.param_groups.0.lr is not plain data"
+    assert expected in exit_message(capsys, checkpoint.main, ckpt, tmp_path / "out.pt")
+    assert expected in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt)
+    assert not marker.exists()
+    # --resume auto passes over it, with a warning, and trains on from step 2 as if never stopped.
+    records = train(shards, copy, *RUN)
+    out = capsys.readouterr().out
+    assert f"warning: skipping {ckpt}: {expected}" in out and f"resuming from {copy / 'ckpt_000002'} at step 2" in out
+    assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], [r for r in records if r["step"] >= 2])
+    assert not marker.exists()
+
+
+def zero(path):
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def to_dev_zero(path):
+    os.remove(path)
+    os.symlink("/dev/zero", path)
+
+
+SHARD = "__0_0.distcp"  # what save_sharded writes in one process
+
+
+@pytest.mark.parametrize("damage, file, expected", [
+    (os.remove, SHARD, "missing shard"),
+    (zero, SHARD, "damaged shard (UnpicklingError"),
+    (truncate, SHARD, "truncated or damaged shard"),
+    (to_dev_zero, SHARD, "not a regular file"),
+])
+def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
+                                                                           capsys, damage, file, expected):
+    ckpt = copy / "ckpt_000004"
+    damage(ckpt / file)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    records = train(shards, copy, *RUN)
+    out = capsys.readouterr()
+    assert f"resuming from {copy / 'ckpt_000002'} at step 2" in out.out
+    assert f"skipping {ckpt / file}: {expected}" in out.out + out.err
+    assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], [r for r in records if r["step"] >= 2])
+
+
+def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy, tmp_path, capsys):
+    ckpt = copy / "ckpt_000004"
+    wider = GPT(GPTConfig(**{**TINY_CONFIG, "n_embd": 64}))
+    checkpoint.save_sharded(str(tmp_path / "wider"), wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
+    for name in (".metadata", SHARD):
+        shutil.copy(tmp_path / "wider" / name, ckpt / name)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys,
+                                "refused: its entry model.transformer.wte.weight has shape (256, 64), not this model's "
+                                "(256, 32) (another model size)")
+    state = checkpoint.load_checkpoint(str(copy / "ckpt_000002"))
+    torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint.TRAIN_STATE)
+    assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
+
+
+def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():
+    with pytest.raises(checkpoint.CheckpointError, match="^/no/such/dir: no such file or directory$"):
+        checkpoint.load_model("/no/such/dir")
+    with pytest.raises(checkpoint.CheckpointError, match="^/dev/zero: not a regular file or a directory$"):
+        checkpoint.load_model("/dev/zero")
+
+
+def test_without_a_network_a_hub_model_is_one_line_at_once(tmp_path):
+    """huggingface_hub would retry each file for most of a minute, printing 'Retrying in 8s'."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path))  # port 9 refuses; an empty cache
+    result = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--model", "gpt2"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "sample.py: error: cannot load gpt2: it is not in the Hugging Face cache, and 127.0.0.1 cannot be reached "
+        "([Errno 111] Connection refused): no network?"]
