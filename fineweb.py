@@ -31,7 +31,7 @@ import pyarrow
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic import LOCK_NAME, DirectoryInUse, atomic_open, claim_directory
+from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
 from cli import Parser
 from data import SHARD_DTYPE, SPLITS, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
@@ -397,7 +397,7 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
     try:
         with contextlib.closing(claim_directory(output_dir, "fineweb.py")):
             return shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
-    except DirectoryInUse as e:
+    except CannotClaim as e:  # in use by another run, or a .lock that cannot be ours
         raise InputError(str(e)) from None
     finally:  # a refusal leaves no directory behind that it made
         if created_dir and set(os.listdir(output_dir)) <= {LOCK_NAME}:
