@@ -1,8 +1,8 @@
 """One writer per directory, and faults that must be one line: a second trainer on a log_dir or a
 second fineweb.py on an output_dir is refused, naming the first; the kernel frees the lock
 however the first ends. A .lock that is not a regular file we can write (a symlink, a directory,
-a FIFO, on a read-only file system) is refused and left as it was. Shards that are not regular files or shrink under the loader, an
-export onto a full disk and a second Ctrl-C stop in one line."""
+a FIFO, on a read-only file system) is refused and left as it was. Shards that are not regular
+files or shrink under the loader, an export onto a full disk and a second Ctrl-C stop in one line."""
 import builtins
 import errno
 import os
