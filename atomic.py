@@ -2,7 +2,8 @@
 import errno
 import fcntl
 import os
-from contextlib import contextmanager
+import stat
+from contextlib import contextmanager, suppress
 
 
 @contextmanager
@@ -40,15 +41,26 @@ def check_writable(path):
 LOCK_NAME = ".lock"  # in a directory one process writes at a time: log_dir, fineweb.py's output_dir
 
 
-class DirectoryInUse(Exception):
+class CannotClaim(Exception):
+    """claim_directory's refusal; the message starts with the directory, so a caller can put its
+    flag's name before it and print one line."""
+
+
+class DirectoryInUse(CannotClaim):
     """Another live process holds the directory's lock."""
+
+
+class UnusableLock(CannotClaim):
+    """The lock file cannot be ours: not a regular file (a symbolic link, a directory, a FIFO), or
+    not writable (a read-only file system, no permission)."""
 
 
 def claim_directory(directory, owner):
     """Takes an exclusive lock on directory (flock on its .lock file, which holds our pid) and
     returns the open file that holds it: closing it, or the process ending in any way, SIGKILL
-    included, releases it. A second claimant gets DirectoryInUse, naming the first one's pid."""
-    f = open(os.path.join(directory, LOCK_NAME), "a+")
+    included, releases it. A second claimant gets DirectoryInUse, naming the first one's pid; a
+    .lock that is not a regular file we can write gets UnusableLock, and is left as it was."""
+    f = open_lock_file(directory)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -57,7 +69,39 @@ def claim_directory(directory, owner):
         f.close()
         raise DirectoryInUse(f"{directory} is in use by another {owner} (pid {holder}): two would interleave "
                              f"their files; wait for it to end, or choose another directory") from None
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    except OSError as e:  # a full disk: the pid is for messages only, but a lock we cannot write is no claim
+        with suppress(OSError):  # closing flushes the pid again, fails again, and closes the file
+            f.close()
+        raise UnusableLock(f"{directory}: cannot write its lock file {LOCK_NAME} ({e.strerror or e})") from None
     return f
+
+
+def open_lock_file(directory):
+    """directory's .lock, opened for reading and writing (created if missing). Never through a
+    symbolic link, whose target would get our pid written over it, and without waiting: O_NONBLOCK
+    makes opening a FIFO return at once (O_NOCTTY: a terminal does not become ours), to be refused
+    with anything else that is not a regular file."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise not_a_lock(directory, "a symbolic link") from None
+        if e.errno == errno.EISDIR:
+            raise not_a_lock(directory, "a directory") from None
+        raise UnusableLock(f"{directory}: cannot write its lock file {LOCK_NAME} ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_a_lock(directory, "a FIFO" if stat.S_ISFIFO(mode) else "a device")
+    return os.fdopen(fd, "r+")
+
+
+def not_a_lock(directory, kind):
+    return UnusableLock(f"{directory}: its lock file {LOCK_NAME} is {kind}, not a regular file; "
+                        f"move it away, or choose another directory")

@@ -31,7 +31,7 @@ import pyarrow
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic import LOCK_NAME, DirectoryInUse, atomic_open, claim_directory
+from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
 from cli import Parser
 from data import SHARD_DTYPE, SPLITS, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
@@ -299,8 +299,12 @@ def read_manifest(output_dir):
             manifest = json.load(f)
         check_manifest(manifest)
     except (OSError, ValueError) as e:
-        raise InputError(f"{path}: unreadable manifest ({e}); delete {output_dir} and rerun") from None
+        raise unreadable_manifest(output_dir, e) from None
     return manifest
+
+
+def unreadable_manifest(output_dir, problem):
+    return InputError(f"{os.path.join(output_dir, MANIFEST)}: unreadable manifest ({problem}); delete {output_dir} and rerun")
 
 
 def check_manifest(manifest):
@@ -317,6 +321,21 @@ def check_manifest(manifest):
         raise ValueError(f"impossible progress: {bad or 'complete'} is {json.dumps(manifest[bad or 'complete'])}")
     if manifest["complete"] and not (manifest["shards"] >= 1 and manifest["documents"] == manifest["document"]):
         raise ValueError("impossible progress: complete, but with no shard or a document count that disagrees")
+
+
+def check_progress(manifest, shard_size):
+    """Raises ValueError unless the manifest's counts fit in its shards of shard_size tokens: each
+    document is at least its <|endoftext|>, so the documents before the resume point and the skip
+    tokens after it cannot outnumber the tokens written. Costs no reading of the corpus."""
+    written = manifest["shards"] * shard_size
+    if manifest["complete"]:
+        if not written - shard_size < manifest["tokens"] <= written:
+            raise ValueError(f"impossible progress: tokens is {manifest['tokens']:,}, but {manifest['shards']} "
+                             f"shard(s) of {shard_size:,} hold {written - shard_size + 1:,} to {written:,}")
+        written = manifest["tokens"]
+    if manifest["document"] + manifest["skip"] > written:
+        raise ValueError(f"impossible progress: document is {manifest['document']:,} and skip {manifest['skip']:,}, "
+                         f"but its shards hold {written:,} tokens and a document is at least one")
 
 
 def write_manifest(output_dir, manifest):
@@ -366,6 +385,10 @@ def start_or_resume(output_dir, prefix, run):
         there, now = (repr(value)[:200] for value in (old.get(key), run.get(key)))
         raise InputError(f"{output_dir} holds shards of another run ({key}: {there} there, {now} now); "
                          f"delete it or choose another --output_dir")
+    try:  # the run is this one: its shard_size is ours
+        check_progress(manifest, run["shard_size"])
+    except ValueError as e:
+        raise unreadable_manifest(output_dir, e) from None
     if others:
         raise InputError(f"{output_dir} holds shards of another prefix ({os.path.basename(others[0])}); "
                          f"training would read them too: move them or choose another --output_dir")
@@ -397,7 +420,7 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
     try:
         with contextlib.closing(claim_directory(output_dir, "fineweb.py")):
             return shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
-    except DirectoryInUse as e:
+    except CannotClaim as e:  # in use by another run, or a .lock that cannot be ours
         raise InputError(str(e)) from None
     finally:  # a refusal leaves no directory behind that it made
         if created_dir and set(os.listdir(output_dir)) <= {LOCK_NAME}:
@@ -455,8 +478,12 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
         document += len(origins)
     if document == 0:
         raise InputError(f"{source}: no documents")
-    if skip:  # the manifest's resume point lies past the end of the corpus
-        raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {skip:,} tokens past the end of {source}: "
+    # The manifest's resume point lies past the end of the corpus: tokens to skip are left, or no
+    # document came from it (a manifest points into the chunk where its next shard starts).
+    nothing_read = manifest["document"] > 0 and document == manifest["document"]
+    if skip or nothing_read:
+        where = f"at document {document:,}" if nothing_read else f"{skip:,} tokens"
+        raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {where} past the end of {source}: "
                          f"not this corpus's progress; delete {output_dir} and rerun")
     if filled:
         write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer[:filled])

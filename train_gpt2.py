@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hellaswag
 import sharding
-from atomic import DirectoryInUse, atomic_open, claim_directory
+from atomic import CannotClaim, atomic_open, claim_directory
 import checkpoint
 from checkpoint import (CheckpointError, UnreadableShards, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, latest_checkpoint,
                         load_model, prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
@@ -653,12 +653,13 @@ def check_fits(args, device, world_size):
 
 def claim_log_dir(log_dir, enabled):
     """On rank 0 (enabled), the lock that refuses a second run in log_dir: two would interleave
-    their checkpoints and logs. The kernel releases it when the process ends, however it ends."""
+    their checkpoints and logs. The kernel releases it when the process ends, however it ends. A
+    log_dir where the lock cannot be written (read-only, or its .lock not a regular file) is refused too."""
     if not enabled:
         return None
     try:
         return claim_directory(log_dir, "train_gpt2.py run")
-    except DirectoryInUse as e:
+    except CannotClaim as e:
         raise RunError(f"--log_dir {e}") from None
 
 

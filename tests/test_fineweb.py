@@ -609,8 +609,9 @@ def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_p
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     manifest = json.loads((out / fineweb.MANIFEST).read_text())
     incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
-    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"shards": 1, "document": 0, "skip": 10**6}))
-    with pytest.raises(fineweb.InputError, match=r"resumes [\d,]+ tokens past the end of"):
+    past_the_last = len(stream_of(DOCS[-1:])) + 1  # fits in the shards' tokens, but not in the corpus
+    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) - 1, "skip": past_the_last}))
+    with pytest.raises(fineweb.InputError, match=r"resumes 1 tokens past the end of"):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     assert (out / "tiny_val_000000.npy").exists()  # the recorded shard stays
     fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)
@@ -618,3 +619,40 @@ def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_p
     (tmp_path / "out2" / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"shards": 3, "document": 0, "skip": 0}))
     with pytest.raises(fineweb.InputError, match="records 3 shards, but tiny_train_000001.npy is missing"):
         fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)
+
+
+@pytest.mark.parametrize("progress, problem", [
+    ({"complete": False, "shards": 1, "document": 10**12}, "document is 1,000,000,000,000 and skip 0, but its shards "
+                                                           "hold 7 tokens and a document is at least one"),
+    ({"document": 10**12, "documents": 10**12}, "document is 1,000,000,000,000 and skip 0, but its shards hold"),
+    ({"tokens": 10**15}, "tokens is 1,000,000,000,000,000, but"),
+])
+def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_nothing(tmp_path, capsys, progress,
+                                                                                  problem):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, **progress}))
+    before = {name: (out / name).read_bytes() for name in listdir(out)}
+    assert fineweb.main(["--input", corpus, "--output_dir", str(out), "--prefix", "tiny", "--shard_size", "7",
+                         "--num_proc", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1  # nothing resumed, nor complete
+    assert captured.err.startswith(f"fineweb.py: error: {out / fineweb.MANIFEST}: unreadable manifest "
+                                   f"(impossible progress: {problem}")
+    assert captured.err.endswith(f"; delete {out} and rerun\n")
+    assert {name: (out / name).read_bytes() for name in listdir(out)} == before
+
+
+def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
+    # As many shards as there are, each document one token: a count the shards allow, the corpus not
+    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) + 3, "skip": 0}))
+    with pytest.raises(fineweb.InputError, match=rf"resumes at document {len(DOCS) + 3} past the end of {corpus}: "):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    assert len(listdir(out)) == manifest["shards"] + 1  # the recorded shards stay, with the manifest

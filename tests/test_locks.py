@@ -1,7 +1,10 @@
 """One writer per directory, and faults that must be one line: a second trainer on a log_dir or a
 second fineweb.py on an output_dir is refused, naming the first; the kernel frees the lock
-however the first ends. Shards that are not regular files or shrink under the loader, an
-export onto a full disk and a second Ctrl-C stop in one line."""
+however the first ends. A .lock that is not a regular file we can write (a symlink, a directory,
+a FIFO, on a read-only file system) is refused and left as it was. Shards that are not regular
+files or shrink under the loader, an export onto a full disk and a second Ctrl-C stop in one line."""
+import builtins
+import errno
 import os
 import subprocess
 import sys
@@ -52,6 +55,99 @@ def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path):
     holder.wait()
     claim_directory(str(tmp_path), "y").close()
     assert (tmp_path / LOCK_NAME).exists()
+
+
+NOTES = b"notes that a lock must never overwrite\n"
+NOT_A_FILE = {"symlink": "a symbolic link", "dangling symlink": "a symbolic link", "directory": "a directory",
+              "FIFO": "a FIFO"}
+
+
+def make_bad_lock(directory, kind, tmp_path):
+    """directory/.lock made a kind of NOT_A_FILE; returns a snapshot of it and what it points at,
+    to compare with afterwards."""
+    lock, target = directory / LOCK_NAME, tmp_path / "notes.txt"
+    target.write_bytes(NOTES)
+    if kind == "symlink":
+        lock.symlink_to(target)
+    elif kind == "dangling symlink":  # opening it with O_CREAT would create its target
+        lock.symlink_to(tmp_path / "created_through_the_link")
+    elif kind == "directory":
+        lock.mkdir()
+        (lock / "kept").write_bytes(NOTES)
+    else:
+        os.mkfifo(lock)
+    return lock_snapshot(directory, tmp_path)
+
+
+def lock_snapshot(directory, tmp_path):
+    lock = directory / LOCK_NAME
+    inside = sorted(os.listdir(lock)) if lock.is_dir() and not lock.is_symlink() else None
+    return (os.lstat(lock).st_mode, lock.is_symlink() and os.readlink(lock), inside,
+            (tmp_path / "notes.txt").read_bytes(), (tmp_path / "created_through_the_link").exists())
+
+
+@pytest.mark.parametrize("kind", NOT_A_FILE)
+def test_a_lock_that_is_not_a_regular_file_stops_the_trainer_in_one_line_touching_nothing(tmp_path, capsys, kind):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / "log.jsonl").write_text('{"step": 0, "tokens": 0, "train_loss": 5.0}\n')
+    before = make_bad_lock(log_dir, kind, tmp_path)
+    message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir, "--resume", "none")
+    assert message == (f"error: --log_dir {log_dir}: its lock file .lock is {NOT_A_FILE[kind]}, not a regular file; "
+                       f"move it away, or choose another directory")
+    assert lock_snapshot(log_dir, tmp_path) == before and (tmp_path / "notes.txt").read_bytes() == NOTES
+    assert sorted(listdir(log_dir)) == ["log.jsonl"]  # not moved aside
+
+
+@pytest.mark.parametrize("kind", NOT_A_FILE)
+def test_a_lock_that_is_not_a_regular_file_stops_fineweb_in_one_line_touching_nothing(tmp_path, capsys, kind):
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = make_bad_lock(out, kind, tmp_path)
+    assert fineweb.main(["--input", corpus, "--output_dir", str(out), "--shard_size", "7", "--num_proc", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (f"fineweb.py: error: {out}: its lock file .lock is {NOT_A_FILE[kind]}, "
+                                                   f"not a regular file; move it away, or choose another directory\n")
+    assert lock_snapshot(out, tmp_path) == before and (tmp_path / "notes.txt").read_bytes() == NOTES
+    assert listdir(out) == []
+
+
+def refuse_the_lock(monkeypatch, code):
+    """Opening any .lock fails with code, as the kernel fails it on a read-only file system
+    (EROFS) or in a directory we may not write (EACCES), whichever call opens it; as root, the
+    tests cannot meet EACCES for real."""
+    def refusing(opener):
+        def open_(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and os.path.basename(file) == LOCK_NAME:
+                raise OSError(code, os.strerror(code), os.fspath(file))
+            return opener(file, *args, **kwargs)
+        return open_
+    monkeypatch.setattr(os, "open", refusing(os.open))
+    monkeypatch.setattr(builtins, "open", refusing(builtins.open))
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_a_log_dir_or_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, code):
+    log_dir, out = tmp_path / "log", tmp_path / "out"
+    log_dir.mkdir()
+    out.mkdir()
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    refuse_the_lock(monkeypatch, code)
+    message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir)
+    assert message == f"error: --log_dir {log_dir}: cannot write its lock file .lock ({os.strerror(code)})"
+    assert fineweb.main(["--input", corpus, "--output_dir", str(out), "--shard_size", "7", "--num_proc", "1"]) == 1
+    assert capsys.readouterr().err == f"fineweb.py: error: {out}: cannot write its lock file .lock ({os.strerror(code)})\n"
+    assert os.listdir(log_dir) == [] and os.listdir(out) == []
+
+
+def test_a_lock_whose_pid_cannot_be_written_is_refused(tmp_path):
+    claim = (f"import sys; sys.path.insert(0, {REPO!r}); import atomic\n"
+             f"try: atomic.claim_directory({str(tmp_path)!r}, 'x')\n"
+             f"except Exception as e: print(type(e).__name__, e)")
+    result = subprocess.run([sys.executable, "-c", claim], capture_output=True, text=True, timeout=60,
+                            preexec_fn=file_size_limit(2))  # room for no pid: as on a full disk
+    assert result.stdout == f"UnusableLock {tmp_path}: cannot write its lock file .lock (File too large)\n"
 
 
 def test_a_shard_that_is_not_a_regular_file_or_shrinks_while_training_is_one_line(tmp_path):
