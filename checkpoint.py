@@ -367,10 +367,12 @@ class PlainDataPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value):
         try:
-            obj = torch.load(value, weights_only=True)
+            with warnings.catch_warnings():  # torch's about the pickle protocol: the error says enough
+                warnings.simplefilter("ignore")
+                obj = torch.load(value, weights_only=True)
         except Exception as e:
             raise CheckpointError(f"{self.path}: refused: its entry {read_item.dest_index.fqn} is not plain data "
-                                  f"({first_line(e)}); nothing in it was run") from None
+                                  f"({load_error(e)}); nothing in it was run") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -402,8 +404,7 @@ class PlainDataReader(FileSystemReader):
             except CheckpointError:
                 raise
             except Exception as e:  # zeroed or overwritten bytes
-                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged shard "
-                                      f"({type(e).__name__}: {first_line(e)})") from None
+                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged shard ({load_error(e)})") from None
         done = Future()
         done.set_result(None)
         return done
@@ -652,6 +653,12 @@ def raised_by_torch_load(error):
     """Damaged bytes fail in torch's weights-only unpickler as UnpicklingError, IndexError, KeyError..."""
     torch_files = (os.path.join("torch", "serialization.py"), os.path.join("torch", "_weights_only_unpickler.py"))
     return any(frame.f_code.co_filename.endswith(torch_files) for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def load_error(error):
+    """Why torch.load failed, in one short line: without its advice to try weights_only=False."""
+    detail = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", first_line(error))
+    return f"{type(error).__name__}: {detail.group(1) if detail else first_line(error)}"
 
 
 def first_line(error):

@@ -215,7 +215,6 @@ def test_a_crafted_sharded_checkpoint_runs_nothing_when_resumed_under_fsdp(shard
                           "--data_dir", shards, "--log_dir", tmp_path / "log",
                           "--resume", crafted, timeout=180)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        f"error: {crafted}: refused: its entry model.lm_head.weight is declared plain data where this model holds a "
-        f"tensor; nothing was read")
+    assert (f"error: {crafted}: refused: its entry model.lm_head.weight is declared plain data where this model "
+            f"holds a tensor; nothing was read") in result.stderr.splitlines()
     assert not (tmp_path / "ran").exists()
