@@ -53,9 +53,11 @@ def block_activation_bytes(config, recompute, a):
 
 
 def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
-    """What the forward pass keeps for the backward, the loss's logits aside."""
-    blocks = sum(block_activation_bytes(config, recompute if i % every == 0 else "none", a)
-                 for i in range(config.n_layer))
+    """What the forward pass keeps for the backward, the loss's logits aside. Blocks 0, every,
+    2*every, ... recompute, the others keep everything."""
+    recomputing = -(-config.n_layer // every)  # counted, not summed block by block: any n_layer at once
+    blocks = (recomputing * block_activation_bytes(config, recompute, a)
+              + (config.n_layer - recomputing) * block_activation_bytes(config, "none", a))
     top = 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd  # ids, targets, ln_f's input, stats and output
     return batch * seq_len * (blocks + top)
 

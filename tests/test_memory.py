@@ -1,5 +1,6 @@
 """Activation recompute, the chunked loss and the memory plan: recompute changes no gradient bit,
 the chunked loss equals the plain one, and memory.py's estimate matches what a model saves."""
+import itertools
 import os
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 import memory
 import train_gpt2
-from conftest import REPO
+from conftest import REPO, run_script
 from model import GPT, GPTConfig, RECOMPUTE, chunked_cross_entropy
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
@@ -77,6 +78,26 @@ def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
     measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)))
     estimate = memory.activation_bytes(CONFIG, B, T, mode, every, a=4)
     assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
+
+
+def test_the_activation_estimate_is_the_sum_over_its_blocks():
+    """The closed form against the plain sum, block by block: block i recomputes when i % every == 0."""
+    def summed(config, batch, seq_len, mode, every, a):
+        blocks = sum(memory.block_activation_bytes(config, mode if i % every == 0 else "none", a)
+                     for i in range(config.n_layer))
+        return batch * seq_len * (blocks + 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd)
+    for n_layer in range(1, 10):
+        config = GPTConfig(n_layer=n_layer, n_head=4, n_embd=64)
+        for every, mode, a in itertools.product(range(1, 12), RECOMPUTE, (2, 4)):
+            assert memory.activation_bytes(config, 3, 5, mode, every, a) == summed(config, 3, 5, mode, every, a)
+
+
+def test_plan_of_an_absurd_depth_is_printed_at_once():
+    """A subprocess with a short timeout: a plan that counts layer by layer would take hours."""
+    result = run_script("train_gpt2.py", "--plan", "--n_layer", 10**12, "--recompute", "full", "--recompute_every", 3,
+                        timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304)):,} parameters")
 
 
 def test_parameter_count_of_every_preset():
