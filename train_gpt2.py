@@ -164,6 +164,8 @@ def parse_args(argv=None):
     parser = build_parser()
     parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
+    if args.plan_world_size is not None and args.plan_world_size < 1:  # 0 would read as torchrun's, or 1
+        parser.error(f"--plan_world_size must be positive, not {args.plan_world_size}")
     if args.decay_steps is None:
         args.decay_steps = args.max_steps
     return args

@@ -120,6 +120,16 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
     assert not log_dir.exists() and not data_dir.exists()
 
 
+@pytest.mark.parametrize("world_size", [0, -3])
+def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
+    with pytest.raises(SystemExit) as e:
+        train_gpt2.main(["--plan", "--plan_world_size", str(world_size)])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.splitlines()) == 1
+    assert err.endswith(f": error: --plan_world_size must be positive, not {world_size} (see --help)\n")
+
+
 def test_sharding_and_recompute_shrink_the_plan():
     config, _ = train_gpt2.preset_config("gpt2-xl")
     ddp = memory.plan(config, 8, 1024)
