@@ -6,6 +6,7 @@ ranks under FSDP. Activations are what the forward pass keeps for the backward, 
 position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
 in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
 """
+import sys
 from dataclasses import dataclass
 
 from model import LOSS_CHUNK
@@ -73,7 +74,8 @@ def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
 
 def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,
          chunked_loss=False):
-    """The memory one GPU needs for a training step, split as Plan's fields."""
+    """The memory one GPU needs for a training step, split as Plan's fields. ValueError for sizes
+    whose total is past a float's range: no figure in GiB can be printed for them."""
     P = n_params(config)
     if fsdp:
         # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
@@ -85,8 +87,11 @@ def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", eve
     else:
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
         weights, gradients, optimizer = 4 * P + copies, 4 * P, 8 * P
-    return Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
-                logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+    estimate = Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
+                    logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+    if estimate.total > sys.float_info.max:
+        raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes per GPU: too many to plan")
+    return estimate
 
 
 def largest_batch(config, gib, **kw):

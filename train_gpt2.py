@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -190,7 +191,7 @@ def check_args(args, world_size):
     need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")
     tokens_per_pass = args.micro_batch_size * args.seq_len * world_size
     if args.total_batch_size % tokens_per_pass:
-        suggestion = max(1, round(args.total_batch_size / tokens_per_pass)) * tokens_per_pass
+        suggestion = max(1, round(Fraction(args.total_batch_size, tokens_per_pass))) * tokens_per_pass  # no float: any size
         raise RunError(f"--total_batch_size {args.total_batch_size} is not a multiple of B*T*world_size = "
                        f"{args.micro_batch_size}*{args.seq_len}*{world_size} = {tokens_per_pass}; "
                        f"try --total_batch_size {suggestion} or another -B")
@@ -983,14 +984,14 @@ class Faults:
 def print_plan(args):
     """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""
     world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
     try:
         check_args(args, world_size)
-    except RunError as e:
+        config = model_config(args)
+        estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp),
+                               args.recompute, args.recompute_every, dtype_bytes, bool(args.chunked_loss))
+    except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
-    config = model_config(args)
-    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
-    estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp), args.recompute,
-                           args.recompute_every, dtype_bytes, bool(args.chunked_loss))
     print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
           f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
           f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}; per GPU:")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import memory
 import train_gpt2
-from conftest import REPO, run_script
+from conftest import REPO, exit_message, run_script
 from model import GPT, GPTConfig, RECOMPUTE, chunked_cross_entropy
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
@@ -118,6 +118,16 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
     expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
     assert "8 GPU(s) under FSDP" in out and f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--n_embd", 10**400, "--n_head", 1], "error: a GPT of these sizes needs more than 1.8e+308 bytes per GPU: too many to plan"),
+    (["--n_layer", 10**400], "error: a GPT of these sizes needs more than 1.8e+308 bytes per GPU: too many to plan"),
+    (["--total_batch_size", 10**400 + 1], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*world_size")])
+def test_a_plan_past_a_floats_range_is_one_line(capsys, flags, expected):
+    """Not an OverflowError from dividing such sizes as floats."""
+    assert exit_message(capsys, train_gpt2.main, "--plan", *flags).startswith(expected)
+    assert not capsys.readouterr().out
 
 
 @pytest.mark.parametrize("world_size", [0, -3])
