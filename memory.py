@@ -9,6 +9,7 @@ in the autocast dtype. tests/test_memory.py checks them against the tensors a ti
 import sys
 from dataclasses import dataclass
 
+from devices import device_memory
 from model import LOSS_CHUNK
 
 GiB = 2**30
@@ -90,8 +91,23 @@ def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", eve
     estimate = Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
                     logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
     if estimate.total > sys.float_info.max:
-        raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes per GPU: too many to plan")
+        raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
+
+
+def fit_problem(config, device, world_size=1, fsdp=False):
+    """Why a GPT of config cannot train on device, or None: its weights, gradients and AdamW state
+    alone (16 bytes a parameter, over the ranks under FSDP) exceed the device's memory. Asked before
+    allocating: a typo in a size would otherwise be an out-of-memory crash or hours of swapping."""
+    try:
+        estimate = plan(config, 1, 1, world_size, fsdp, dtype_bytes=4)
+    except ValueError as e:  # past a float's range: past any device too
+        return str(e)
+    need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
+    if need <= have:
+        return None
+    return (f"a GPT of {n_params(config):,} parameters needs {need / GiB:,.0f} GiB per rank for its weights, "
+            f"gradients and AdamW state; {device} has {have / GiB:,.0f} GiB")
 
 
 def largest_batch(config, gib, **kw):

@@ -37,7 +37,7 @@ from checkpoint import (CheckpointError, check_no_later_checkpoints, checkpoint_
                         prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
-from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
+from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 import memory
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import get_encoding
@@ -642,16 +642,10 @@ def make_log_dir(log_dir):
 
 
 def check_fits(args, device, world_size):
-    """Refuses, before allocating, a model whose weights, gradients and AdamW state alone (16 bytes
-    a parameter, over the ranks under FSDP) exceed the device's memory: a typo in a size would
-    otherwise be an out-of-memory crash or hours of swapping."""
-    config = model_config(args)
-    estimate = memory.plan(config, 1, 1, world_size, bool(args.fsdp), dtype_bytes=4)
-    need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
-    if need > have:
-        raise RunError(f"a GPT of {memory.n_params(config):,} parameters needs {need / memory.GiB:,.0f} GiB per rank "
-                       f"for its weights, gradients and AdamW state; {device} has {have / memory.GiB:,.0f} GiB "
-                       f"(see --plan)")
+    """Refuses, before allocating, a model the device cannot hold (memory.fit_problem)."""
+    problem = memory.fit_problem(model_config(args), device, world_size, bool(args.fsdp))
+    if problem:
+        raise RunError(f"{problem} (see --plan)")
 
 
 def claim_log_dir(log_dir, enabled):
