@@ -88,7 +88,8 @@ def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", eve
     else:
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
         weights, gradients, optimizer = 4 * P + copies, 4 * P, 8 * P
-    estimate = Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
+    estimate = Plan(weights, gradients, optimizer,
+                    activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
                     logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
