@@ -191,7 +191,8 @@ def check_args(args, world_size):
     need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")
     tokens_per_pass = args.micro_batch_size * args.seq_len * world_size
     if args.total_batch_size % tokens_per_pass:
-        suggestion = max(1, round(Fraction(args.total_batch_size, tokens_per_pass))) * tokens_per_pass  # no float: any size
+        # Rounded as a fraction, not a float: a float overflows at absurd sizes.
+        suggestion = max(1, round(Fraction(args.total_batch_size, tokens_per_pass))) * tokens_per_pass
         raise RunError(f"--total_batch_size {args.total_batch_size} is not a multiple of B*T*world_size = "
                        f"{args.micro_batch_size}*{args.seq_len}*{world_size} = {tokens_per_pass}; "
                        f"try --total_batch_size {suggestion} or another -B")
