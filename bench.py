@@ -32,12 +32,13 @@ from torch.nn import functional as F
 import fineweb
 import generate
 import hellaswag
+import memory
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, get_encoding
-from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
+from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from train_gpt2 import build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
@@ -52,6 +53,7 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 # --recompute mode cost in time (and, on CUDA, save in peak memory).
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
+PADDED_VOCAB = 50304  # the project's vocabulary, the larger of the two that train runs
 
 
 def parse_args(argv=None):
@@ -93,9 +95,25 @@ def parse_args(argv=None):
                 f"(compile: where it compiles; fused_adamw, cudnn_attention, max_autotune: CUDA)")
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
+    if "train" in args.parts:
+        check_train_fits(p, cfg, args.device)
     if args.json:
         p.check_output("--json", args.json)
     return args
+
+
+def check_train_fits(p, cfg, device):
+    """A one-line exit, before anything is allocated, where train's sizes cannot be held: its largest
+    model on the device (memory.fit_problem, as the trainer checks), or its shard of random tokens in
+    the host's memory. A batch too large for its activations is not refused: that is an answer."""
+    problem = memory.fit_problem(train_model_config(cfg, PADDED_VOCAB), device)
+    if problem:
+        p.fail(problem)
+    have = device_memory("cpu")
+    if SHARD_BYTES_PER_TOKEN * shard_tokens(cfg) > have:  # named by its flags: the product may have thousands of digits
+        p.fail(f"train's random tokens, (--steps {cfg['steps']} + --warmup {cfg['warmup']} + 1) x "
+               f"-B {max(cfg['micro_batch_size'])} x -T {cfg['seq_len']}, do not fit in the host's "
+               f"{have / memory.GiB:,.0f} GiB of memory")
 
 
 def lever_names(text):
@@ -135,6 +153,20 @@ def bench_matmul(args, device, record):
 
 
 # ----------------------------------------------------------------------------- train
+
+SHARD_BYTES_PER_TOKEN = 10  # drawn as int64, then copied to uint16 to be written
+
+
+def shard_tokens(cfg):
+    """Tokens of the shard bench_train writes: a batch at the largest -B for every step, warm-up
+    included, read once, and one token more for the last batch's targets."""
+    return (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * cfg["seq_len"] + 1
+
+
+def train_model_config(cfg, vocab_size):
+    return GPTConfig(block_size=cfg["seq_len"], vocab_size=vocab_size, n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                     n_embd=cfg["n_embd"])
+
 
 def time_steps(step, n_warmup, n_steps, device):
     """Median seconds per call of step() after n_warmup untimed calls."""
@@ -179,8 +211,7 @@ def bench_train(args, device, workdir, record):
     dtype = pick_dtype(args.dtype, device_type)
     compile_model = compiles(args, device_type)
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
-    n_tokens = (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * T + 1
-    write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, n_tokens))
+    write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, shard_tokens(cfg)))
     for B in cfg["micro_batch_size"]:
         for variant, lever in train_runs(args, compile_model, device_type):
             levers = train_levers(variant, lever, compile_model)
@@ -198,8 +229,8 @@ def train_levers(variant, lever, compile_model):
     if variant == "baseline":
         return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math", chunked_loss=False,
                     recompute="none")
-    levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=50304, attention="auto",
-                  chunked_loss=False, recompute="none")
+    levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=PADDED_VOCAB,
+                  attention="auto", chunked_loss=False, recompute="none")
     off = {"-compile": dict(compile=None), "-fused_adamw": dict(fused_adamw=False), "-padded_vocab": dict(vocab_size=N_VOCAB),
            "-flash_attention": dict(attention="math"), "+chunked_loss": dict(chunked_loss=True),
            "+cudnn_attention": dict(attention="cudnn"), "+max_autotune": dict(compile="max-autotune-no-cudagraphs"),
@@ -227,8 +258,7 @@ def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
     T = cfg["seq_len"]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-    model = GPT(GPTConfig(block_size=T, vocab_size=levers["vocab_size"], n_layer=cfg["n_layer"],
-                          n_head=cfg["n_head"], n_embd=cfg["n_embd"])).to(device)
+    model = GPT(train_model_config(cfg, levers["vocab_size"])).to(device)
     t = None
     try:
         t = build_trainable(model, device, dtype, B // micro_batch_size, compile_mode=levers["compile"],

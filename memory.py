@@ -1,13 +1,16 @@
-"""How much GPU memory training takes, per GPU, before any is allocated: train_gpt2.py --plan, and
-the README's table of the presets (`python memory.py` prints it).
+"""How much GPU memory training takes, per GPU, before any is allocated: train_gpt2.py --plan, the
+README's table of the presets (`python memory.py` prints it), and the check, shared by the trainer
+and bench.py, that refuses a model its device cannot hold.
 
 Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
 ranks under FSDP. Activations are what the forward pass keeps for the backward, counted per
 position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
 in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
 """
+import sys
 from dataclasses import dataclass
 
+from devices import device_memory
 from model import LOSS_CHUNK
 
 GiB = 2**30
@@ -53,9 +56,11 @@ def block_activation_bytes(config, recompute, a):
 
 
 def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
-    """What the forward pass keeps for the backward, the loss's logits aside."""
-    blocks = sum(block_activation_bytes(config, recompute if i % every == 0 else "none", a)
-                 for i in range(config.n_layer))
+    """What the forward pass keeps for the backward, the loss's logits aside. Blocks 0, every,
+    2*every, ... recompute, the others keep everything."""
+    recomputing = -(-config.n_layer // every)  # counted, not summed block by block: any n_layer at once
+    blocks = (recomputing * block_activation_bytes(config, recompute, a)
+              + (config.n_layer - recomputing) * block_activation_bytes(config, "none", a))
     top = 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd  # ids, targets, ln_f's input, stats and output
     return batch * seq_len * (blocks + top)
 
@@ -71,7 +76,8 @@ def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
 
 def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,
          chunked_loss=False):
-    """The memory one GPU needs for a training step, split as Plan's fields."""
+    """The memory one GPU needs for a training step, split as Plan's fields. ValueError for sizes
+    whose total is past a float's range: no figure in GiB can be printed for them."""
     P = n_params(config)
     if fsdp:
         # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
@@ -83,8 +89,27 @@ def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", eve
     else:
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
         weights, gradients, optimizer = 4 * P + copies, 4 * P, 8 * P
-    return Plan(weights, gradients, optimizer, activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
-                logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+    estimate = Plan(weights, gradients, optimizer,
+                    activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
+                    logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+    if estimate.total > sys.float_info.max:
+        raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
+    return estimate
+
+
+def fit_problem(config, device, world_size=1, fsdp=False):
+    """Why a GPT of config cannot train on device, or None: its weights, gradients and AdamW state
+    alone (16 bytes a parameter, over the ranks under FSDP) exceed the device's memory. Asked before
+    allocating: a typo in a size would otherwise be an out-of-memory crash or hours of swapping."""
+    try:
+        estimate = plan(config, 1, 1, world_size, fsdp, dtype_bytes=4)
+    except ValueError as e:  # past a float's range: past any device too
+        return str(e)
+    need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
+    if need <= have:
+        return None
+    return (f"a GPT of {n_params(config):,} parameters needs {need / GiB:,.0f} GiB per rank for its weights, "
+            f"gradients and AdamW state; {device} has {have / GiB:,.0f} GiB")
 
 
 def largest_batch(config, gib, **kw):

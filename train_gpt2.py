@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from checkpoint import (CheckpointError, UnreadableShards, check_no_later_checkp
                         load_model, prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
-from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
+from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
 import memory
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import get_encoding
@@ -164,6 +165,8 @@ def parse_args(argv=None):
     parser = build_parser()
     parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
+    if args.plan_world_size is not None and args.plan_world_size < 1:  # 0 would read as torchrun's, or 1
+        parser.error(f"--plan_world_size must be positive, not {args.plan_world_size}")
     if args.decay_steps is None:
         args.decay_steps = args.max_steps
     return args
@@ -188,7 +191,8 @@ def check_args(args, world_size):
     need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")
     tokens_per_pass = args.micro_batch_size * args.seq_len * world_size
     if args.total_batch_size % tokens_per_pass:
-        suggestion = max(1, round(args.total_batch_size / tokens_per_pass)) * tokens_per_pass
+        # Rounded as a fraction, not a float: a float overflows at absurd sizes.
+        suggestion = max(1, round(Fraction(args.total_batch_size, tokens_per_pass))) * tokens_per_pass
         raise RunError(f"--total_batch_size {args.total_batch_size} is not a multiple of B*T*world_size = "
                        f"{args.micro_batch_size}*{args.seq_len}*{world_size} = {tokens_per_pass}; "
                        f"try --total_batch_size {suggestion} or another -B")
@@ -639,16 +643,10 @@ def make_log_dir(log_dir):
 
 
 def check_fits(args, device, world_size):
-    """Refuses, before allocating, a model whose weights, gradients and AdamW state alone (16 bytes
-    a parameter, over the ranks under FSDP) exceed the device's memory: a typo in a size would
-    otherwise be an out-of-memory crash or hours of swapping."""
-    config = model_config(args)
-    estimate = memory.plan(config, 1, 1, world_size, bool(args.fsdp), dtype_bytes=4)
-    need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
-    if need > have:
-        raise RunError(f"a GPT of {memory.n_params(config):,} parameters needs {need / memory.GiB:,.0f} GiB per rank "
-                       f"for its weights, gradients and AdamW state; {device} has {have / memory.GiB:,.0f} GiB "
-                       f"(see --plan)")
+    """Refuses, before allocating, a model the device cannot hold (memory.fit_problem)."""
+    problem = memory.fit_problem(model_config(args), device, world_size, bool(args.fsdp))
+    if problem:
+        raise RunError(f"{problem} (see --plan)")
 
 
 def claim_log_dir(log_dir, enabled):
@@ -992,14 +990,14 @@ class Faults:
 def print_plan(args):
     """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""
     world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
     try:
         check_args(args, world_size)
-    except RunError as e:
+        config = model_config(args)
+        estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp),
+                               args.recompute, args.recompute_every, dtype_bytes, bool(args.chunked_loss))
+    except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
-    config = model_config(args)
-    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
-    estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp), args.recompute,
-                           args.recompute_every, dtype_bytes, bool(args.chunked_loss))
     print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
           f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
           f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}; per GPU:")

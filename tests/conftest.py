@@ -127,12 +127,13 @@ def disk_full(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
-def run_script(script, *args, cwd=REPO, env=None):
+def run_script(script, *args, cwd=REPO, env=None, timeout=300):
     """Runs one of the repository's scripts (or script, a path) as a user would, offline, with
-    env's variables added; returns the CompletedProcess with stdout and stderr as text."""
+    env's variables added; returns the CompletedProcess with stdout and stderr as text.
+    subprocess.TimeoutExpired past timeout seconds."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
     return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=300)
+                          cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=timeout)
 
 
 def exit_message(capsys, main, *argv):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import bench
-from conftest import disk_full, run_script
+import memory
+from conftest import disk_full, exit_message, run_script
+from model import GPTConfig
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
@@ -99,6 +101,29 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
         error = capsys.readouterr().err.splitlines()[-1]
         assert "error: " in error and message in error, (flags, error)
     assert os.listdir(tmp_path) == ["file"]
+
+
+def quick_gpt(n_layer=2, n_embd=64, block_size=64):
+    """The model --quick trains, as the trainer's size check names it."""
+    config = GPTConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=bench.PADDED_VOCAB)
+    return f"a GPT of {memory.n_params(config):,} parameters needs"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--n_embd", 10**6], quick_gpt(n_embd=10**6)), (["--n_layer", 10**12], quick_gpt(n_layer=10**12)),
+    (["-T", 10**12], quick_gpt(block_size=10**12)), (["--n_embd", 10**400], "a GPT of these sizes needs more than"),
+    (["-B", f"2,{10**12}"], f"train's random tokens, (--steps 2 + --warmup 1 + 1) x -B {10**12} x -T 64, do not fit"),
+    (["--steps", 10**12], f"train's random tokens, (--steps {10**12} + --warmup 1 + 1) x -B 2 x -T 64, do not fit"),
+    (["--warmup", 10**12], f"train's random tokens, (--steps 2 + --warmup {10**12} + 1) x -B 2 x -T 64, do not fit")],
+    ids=["n_embd", "n_layer", "seq_len", "past_a_float", "micro_batch_size", "steps", "warmup"])
+def test_train_sizes_the_machine_cannot_hold_stop_with_one_line_before_anything_is_allocated(tmp_path, capsys, flags,
+                                                                                             expected):
+    """The model as the trainer checks it (memory.fit_problem), and the shard of random tokens that
+    train writes first; not even --json's directory is made."""
+    argv = ["--quick", "--device", "cpu", *flags, "--json", tmp_path / "out" / "x.json"]
+    assert exit_message(capsys, bench.parse_args, *argv).startswith(f"bench.py: error: {expected}")
+    assert not os.listdir(tmp_path)
+    bench.parse_args(["--quick", "--device", "cpu", *map(str, flags), "--parts", "matmul"])  # train's sizes unused
 
 
 def test_levers_named_are_timed_in_the_tables_order():

@@ -1,5 +1,6 @@
 """Activation recompute, the chunked loss and the memory plan: recompute changes no gradient bit,
 the chunked loss equals the plain one, and memory.py's estimate matches what a model saves."""
+import itertools
 import os
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 import memory
 import train_gpt2
-from conftest import REPO
+from conftest import REPO, exit_message, run_script
 from model import GPT, GPTConfig, RECOMPUTE, chunked_cross_entropy
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
@@ -79,6 +80,26 @@ def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
     assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
 
+def test_the_activation_estimate_is_the_sum_over_its_blocks():
+    """The closed form against the plain sum, block by block: block i recomputes when i % every == 0."""
+    def summed(config, batch, seq_len, mode, every, a):
+        blocks = sum(memory.block_activation_bytes(config, mode if i % every == 0 else "none", a)
+                     for i in range(config.n_layer))
+        return batch * seq_len * (blocks + 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd)
+    for n_layer in range(1, 10):
+        config = GPTConfig(n_layer=n_layer, n_head=4, n_embd=64)
+        for every, mode, a in itertools.product(range(1, 12), RECOMPUTE, (2, 4)):
+            assert memory.activation_bytes(config, 3, 5, mode, every, a) == summed(config, 3, 5, mode, every, a)
+
+
+def test_plan_of_an_absurd_depth_is_printed_at_once():
+    """A subprocess with a short timeout: a plan that counts layer by layer would take hours."""
+    result = run_script("train_gpt2.py", "--plan", "--n_layer", 10**12, "--recompute", "full", "--recompute_every", 3,
+                        timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"{memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304)):,} parameters")
+
+
 def test_parameter_count_of_every_preset():
     assert memory.n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
     for name in train_gpt2.PRESETS:
@@ -97,6 +118,41 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
     expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
     assert "8 GPU(s) under FSDP" in out and f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
+
+
+PAST_A_FLOAT = "error: a GPT of these sizes needs more than 1.8e+308 bytes: too many to plan"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--n_embd", 10**400, "--n_head", 1], PAST_A_FLOAT), (["--n_layer", 10**400], PAST_A_FLOAT),
+    (["--total_batch_size", 10**400 + 1], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*world_size")])
+def test_a_plan_past_a_floats_range_is_one_line(capsys, flags, expected):
+    """Not an OverflowError from dividing such sizes as floats."""
+    assert exit_message(capsys, train_gpt2.main, "--plan", *flags).startswith(expected)
+    assert not capsys.readouterr().out
+
+
+def test_the_trainer_refuses_absurd_sizes_at_once_before_allocating(tmp_path, capsys):
+    """The trainer's own check (memory.fit_problem) is one line too: past a float's range, and at a
+    depth it once summed layer by layer (a subprocess with a short timeout, as it took hours)."""
+    dirs = ["--log_dir", tmp_path / "log", "--data_dir", tmp_path / "none"]
+    message = exit_message(capsys, train_gpt2.main, "--n_embd", 10**400, "--n_head", 1, *dirs)
+    assert message == f"{PAST_A_FLOAT} (see --plan)"
+    result = run_script("train_gpt2.py", "--n_layer", 10**12, *dirs, timeout=30)
+    n_params = memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: a GPT of {n_params:,} parameters needs")
+    assert not (tmp_path / "log").exists()
+
+
+@pytest.mark.parametrize("world_size", [0, -3])
+def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
+    with pytest.raises(SystemExit) as e:
+        train_gpt2.main(["--plan", "--plan_world_size", str(world_size)])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.splitlines()) == 1
+    assert err.endswith(f": error: --plan_world_size must be positive, not {world_size} (see --help)\n")
 
 
 def test_sharding_and_recompute_shrink_the_plan():
