@@ -42,6 +42,9 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from atomic import atomic_open
+from cli import Parser, gpt2_vocab_problem
+from devices import pick_device
+from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
@@ -86,12 +89,9 @@ def save_checkpoint(path, state):
     """Writes state to path through a temporary file, flushed and renamed, so a crash at any
     moment leaves either the complete new file or none. Returns False, keeping older files,
     when the disk lacks room."""
-    directory = os.path.dirname(os.path.abspath(path))
-    need = 1.1 * sum(t.numel() * t.element_size() for t in tensors_in(state)) + (1 << 20)
-    free = shutil.disk_usage(directory).free
-    if free < need:
-        print(f"warning: skipping checkpoint {path}: {free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed",
-              file=sys.stderr)
+    short = room_problem(os.path.dirname(os.path.abspath(path)), state)
+    if short:
+        print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
         return False
     try:
         with atomic_open(path) as f:
@@ -107,10 +107,10 @@ def save_checkpoint(path, state):
 def training_state(raw_model, optimizer, scaler, step, train_loader, args):
     """Everything an exact resume needs, as tensors and plain Python values."""
     return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            **run_state(raw_model, scaler, step, train_loader, args)}
+            **train_state(raw_model, scaler, step, train_loader, args)}
 
 
-def run_state(raw_model, scaler, step, train_loader, args):
+def train_state(raw_model, scaler, step, train_loader, args):
     """All of training_state but the model's and AdamW's tensors: what train_state.pt holds."""
     return {
         "scaler": scaler.state_dict(),
@@ -195,14 +195,14 @@ def is_sharded_checkpoint(path):
 
 def save_sharded(path, model, optimizer, state, async_save=False):
     """Writes a sharded checkpoint on every rank: each rank its own shards of the model and of
-    AdamW's state, in parallel, rank 0 also state (run_state's). The directory is written as
+    AdamW's state, in parallel, rank 0 also state (train_state's). The directory is written as
     PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
     the tensors copied to host memory, and the writing goes on in a thread: the returned future
     is done once the checkpoint is in place; otherwise it is in place on return (None returned).
     A failed write (a full disk) on any rank is an OSError or DCP's CheckpointException on all."""
     partial = path + ".partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    error = write_train_state(partial, state) if rank == 0 else None
+    error = save_train_state(partial, state) if rank == 0 else None
     if dist.is_initialized():  # also: the directory exists, empty of older shards, before any rank writes
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
@@ -230,12 +230,12 @@ def save_sharded(path, model, optimizer, state, async_save=False):
             raise
         finish(failed=False)
         return None
-    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=background_group())
+    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=host_group("checkpoints"))
     future.add_done_callback(lambda f: finish(failed=f.exception() is not None))
     return future
 
 
-def write_train_state(partial, state):
+def save_train_state(partial, state):
     """Rank 0's part of a sharded checkpoint, begun afresh in partial; why it failed, or None."""
     try:
         shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
@@ -246,18 +246,6 @@ def write_train_state(partial, state):
         shutil.rmtree(partial, ignore_errors=True)
         return first_line(e)
     return None
-
-
-_background_group = None
-
-
-def background_group():
-    """A process group of its own for checkpoints written in the background: on the training's
-    group, the writer's collectives would interleave with the training's own (as torchtitan, gloo)."""
-    global _background_group
-    if _background_group is None and dist.is_initialized():
-        _background_group = dist.new_group(backend="gloo")
-    return _background_group
 
 
 def load_sharded(path, model, optimizer=None):
@@ -487,6 +475,13 @@ def check_no_later_checkpoints(log_dir, step):
                               f"or delete them to branch off")
 
 
+def room_problem(directory, states):
+    """Why directory's disk lacks room for the tensors in states (with a margin), or None."""
+    need = 1.1 * sum(x.numel() * x.element_size() for x in tensors_in(states)) + (1 << 20)
+    free = shutil.disk_usage(directory).free
+    return f"{free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed" if free < need else None
+
+
 def tensors_in(obj):
     """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's shard."""
     if isinstance(obj, DTensor):
@@ -572,6 +567,24 @@ def remove_unfinished(log_dir):
     for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
         if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def load_model_onto(parser, name, device="cpu"):
+    """(model in eval mode, device) for anything load_model takes, or a one-line exit: a device
+    this machine lacks, a model that cannot be loaded, one that cannot hold GPT-2's token ids."""
+    try:
+        device = pick_device(device)
+    except ValueError as e:
+        parser.fail(f"--device {device}: {e}")
+    try:
+        # Read on the CPU: a training checkpoint also holds AdamW's moments, twice the model's size.
+        model = load_model(name)
+    except CheckpointError as e:
+        parser.fail(str(e))
+    problem = gpt2_vocab_problem(model.config.vocab_size)
+    if problem:
+        parser.fail(f"{name}: {problem}")
+    return model.to(device).eval(), device
 
 
 def load_model(name_or_path, map_location="cpu"):
@@ -665,11 +678,106 @@ def first_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
 
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+class Checkpointer:
+    """When and how a run saves and resumes (as torchtitan's CheckpointManager): every interval
+    steps and at the end, only finite weights, only where every rank's disk has room, one file
+    from rank 0 or (sharded) shards from every rank, in the background with async_save, the
+    oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
+
+    def __init__(self, log_dir, interval, keep_last, sharded=False, async_save=False, log=print):
+        self.log_dir, self.interval, self.keep_last = log_dir, interval, keep_last
+        self.sharded, self.async_save, self.log = sharded, async_save, log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending = None  # (path, future) of a sharded checkpoint still being written
+
+    def due(self, step, start_step, last_step):
+        """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
+        return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
+
+    def save(self, step, t, train_loader, args):
+        """Saves t (a Trainable) and the loader at step, on every rank at once: a refusal (weights
+        that are not finite) then stops every rank, none left waiting at the next collective."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in t.raw_model.parameters()]
+        finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
+        agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
+        if self.sharded:
+            self._save_sharded(step, t, train_loader, args)
+        elif self.rank == 0:
+            path = checkpoint_path(self.log_dir, step)
+            if save_checkpoint(path, training_state(t.raw_model, t.optimizer, t.scaler, step, train_loader, args)):
+                prune_checkpoints(self.log_dir, self.keep_last)
+                self.log(f"saved {path}")
+
+    def _save_sharded(self, step, t, train_loader, args):
+        self.wait()  # one checkpoint at a time
+        path = checkpoint_path(self.log_dir, step, sharded=True)
+        short = [why for why in every_rank(room_problem(self.log_dir, [t.raw_model.state_dict(), t.optimizer.state_dict()]))
+                 if why]
+        if short:
+            print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
+            return
+        state = train_state(t.raw_model, t.scaler, step, train_loader, args)
+        try:
+            future = save_sharded(path, t.raw_model, t.optimizer, state, async_save=self.async_save)
+        except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
+            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            return
+        self.pending = (path, future)
+        if future is None:
+            self.wait()
+
+    def wait(self):
+        """Returns once the checkpoint being written, if any, is complete and in place."""
+        if self.pending is None:
+            return
+        (path, future), self.pending = self.pending, None
+        try:
+            if future is not None:
+                future.result()
+                if dist.is_initialized():
+                    dist.barrier()  # rank 0 has renamed it into place
+        except (OSError, CheckpointException) as e:
+            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            return
+        if self.rank == 0:
+            prune_checkpoints(self.log_dir, self.keep_last)
+        self.log(f"saved {path}")
+
+    def restore(self, resume, t, train_loader, max_steps):
+        """Restores the checkpoint resume names ("auto", "none" or a path) into t and the loader;
+        returns the step to start from. Every rank reads the checkpoint itself, so all must find
+        the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
+        checkpoint whose shards cannot be read (damage shows only then) is passed over for the
+        next older one, which overwrites whatever the failed restore had loaded."""
+        found = find_resume(resume, self.log_dir)
+        while True:
+            steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
+            if len(set(steps)) > 1:
+                raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                               f"on several nodes, --log_dir must be a directory they all share")
+            if found is None:
+                return 0
+            path, state = found
+            try:
+                step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
+                break
+            except UnreadableShards as e:
+                if resume != "auto":
+                    raise
+                self.log(f"warning: skipping {e}")
+                found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
+        self.log(f"resuming from {path} at step {step}")
+        if resume != "auto" and step < max_steps:
+            check_no_later_checkpoints(self.log_dir, step)
+        return step
+
+
 def main(argv=None):
     """python checkpoint.py SHARDED_DIR OUT.pt: a sharded checkpoint as the one-file kind, in one
     process: hellaswag.py, sample.py, export_hf.py read either, and a run resumes from either."""
     import argparse
-    from cli import Parser
     parser = Parser(prog="checkpoint.py", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sharded", help="a ckpt_XXXXXX/ directory that train_gpt2.py --fsdp 1 wrote")
     parser.add_argument("out", help="the .pt file to write")

@@ -1,4 +1,4 @@
-"""What the scripts' command lines share: errors in one line, and a model loaded onto a device."""
+"""What the scripts' command lines share: errors in one line."""
 import argparse
 
 from atomic import check_writable
@@ -27,23 +27,3 @@ def gpt2_vocab_problem(vocab_size):
     if vocab_size < N_VOCAB:
         return f"a vocabulary of {vocab_size} cannot hold GPT-2's {N_VOCAB} token ids"
     return None
-
-
-def load_model_onto(parser, name, device="cpu"):
-    """(model in eval mode, device) for anything load_model takes, or a one-line exit: a device
-    this machine lacks, a model that cannot be loaded, one that cannot hold GPT-2's token ids."""
-    from checkpoint import CheckpointError, load_model  # here, so that fineweb.py's parser needs no torch
-    from devices import pick_device
-    try:
-        device = pick_device(device)
-    except ValueError as e:
-        parser.fail(f"--device {device}: {e}")
-    try:
-        # Read on the CPU: a training checkpoint also holds AdamW's moments, twice the model's size.
-        model = load_model(name)
-    except CheckpointError as e:
-        parser.fail(str(e))
-    problem = gpt2_vocab_problem(model.config.vocab_size)
-    if problem:
-        parser.fail(f"{name}: {problem}")
-    return model.to(device).eval(), device

@@ -21,7 +21,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
-from cli import Parser, load_model_onto
+from checkpoint import load_model_onto
+from cli import Parser
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 EOT_TEXT = "<|endoftext|>"

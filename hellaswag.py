@@ -23,7 +23,8 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from atomic import atomic_open
-from cli import Parser, gpt2_vocab_problem, load_model_onto
+from checkpoint import load_model_onto
+from cli import Parser, gpt2_vocab_problem
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
 

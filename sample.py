@@ -17,7 +17,8 @@ from dataclasses import asdict
 import torch
 
 from atomic import atomic_open
-from cli import Parser, load_model_onto
+from checkpoint import load_model_onto
+from cli import Parser
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
 

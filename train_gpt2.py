@@ -8,12 +8,8 @@ The defaults are the GPT-2 (124M) reproduction: 524,288-token batches, AdamW at 
 with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B tokens).
 """
 import argparse
-import gc
-import importlib
-import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -24,21 +20,21 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import distributed
 import hellaswag
+import logdir
+import memory
 import sharding
-from atomic import CannotClaim, atomic_open, claim_directory
-import checkpoint
-from checkpoint import (CheckpointError, UnreadableShards, check_no_later_checkpoints, checkpoint_path, find_resume, first_line, latest_checkpoint,
-                        load_model, prune_checkpoints, restore_training, run_state, save_checkpoint, training_state)
+from checkpoint import CheckpointError, Checkpointer, load_model
 from cli import Parser, gpt2_vocab_problem
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
-from devices import autocast, peak_flops, pick_device, pick_dtype, synchronize
-import memory
+from devices import autocast, peak_flops, pick_dtype, synchronize
+from distributed import RunError, every_rank, on_every_rank
+from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import get_encoding
 
@@ -63,10 +59,6 @@ PRESETS = {
     ),
 }
 SAMPLE_PROMPT = "Hello, I'm a language model,"
-
-
-class RunError(Exception):
-    """A bad argument or state that stops the run with one line and exit code 1."""
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -297,9 +289,9 @@ def clip_grad_norm(params, max_norm):
     return norm
 
 
-def to_device(t, device):
+def to_device(batch, device):
     # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
-    return t.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else t.to(device)
+    return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
 
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
@@ -342,8 +334,8 @@ def train(args):
         step = run.start_step
         while True:
             last_step = step >= args.max_steps
-            if step > run.start_step and (last_step or (args.checkpoint_interval and step % args.checkpoint_interval == 0)):
-                save(run, step)
+            if run.checkpointer.due(step, run.start_step, last_step):
+                run.checkpointer.save(step, t, run.train_loader, args)
             if args.eval_interval and (step % args.eval_interval == 0 or last_step):
                 evaluate(run, step)
             if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
@@ -355,7 +347,7 @@ def train(args):
             t0 = time.perf_counter()
             result = train_step(t, run.train_loader, get_lr(step, args), stop.requested, faults.poison)
             if result is None:
-                save(run, step)
+                run.checkpointer.save(step, t, run.train_loader, args)
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
@@ -364,7 +356,7 @@ def train(args):
                 raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                f"the newest checkpoint in {args.log_dir} predates them: lower --max_lr or check the data")
             step += 1
-    wait_for_checkpoint(run)
+    run.checkpointer.wait()
     if dist.is_initialized():
         # The ranks leave together, once rank 0 has written the last checkpoint: no rank reports
         # the run finished while the checkpoint it would resume from is still being written.
@@ -379,14 +371,14 @@ def log_step(run, step, result, seconds, bad_steps):
     if result.skipped:
         run.log(f"step {step:5d} | skipped: non-finite loss {result.loss} or grad norm {result.grad_norm} "
                 f"({bad_steps} in a row)")
-        run.run_log.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
+        run.metrics.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
         return
     tokens_per_sec = run.args.total_batch_size / seconds
     mfu = f" | mfu {100 * run.flops_per_step / seconds / run.peak_flops:.1f}%" if run.peak_flops else ""
     mem = f" | mem {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f}GiB" if run.device.startswith("cuda") else ""
     run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e} | norm {result.grad_norm:.4f} | "
             f"dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
-    run.run_log.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+    run.metrics.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                       dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
 
 
@@ -396,11 +388,11 @@ def evaluate(run, step):
     if run.val_loader is not None:
         val_loss = estimate_val_loss(run.trainable, run.val_loader, run.args.val_steps)
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
-        run.run_log.write(step=step, tokens=tokens, val_loss=val_loss)
+        run.metrics.write(step=step, tokens=tokens, val_loss=val_loss)
     if run.hellaswag_examples:
         acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size)
         run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
-        run.run_log.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
+        run.metrics.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
 
 
 def write_samples(run, step):
@@ -408,75 +400,8 @@ def write_samples(run, step):
     ranks sample alike (the same seed), and rank 0 logs."""
     if run.rank == 0 or run.args.fsdp:
         texts = sample_texts(run.trainable, seed=run.args.seed + step)
-        run.log("\n".join(f"sample {i}: {t}" for i, t in enumerate(texts)))
-        run.run_log.write(step=step, tokens=step * run.args.total_batch_size, samples=texts)
-
-
-def save(run, step):
-    """Checkpoints step, refusing weights that are not finite. Every rank takes part, so that a
-    refusal stops them all at once rather than leaving the others waiting at the next collective:
-    under DDP rank 0 writes one file, under FSDP every rank its shards."""
-    t = run.trainable
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in t.raw_model.parameters()]
-    finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
-    agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
-    if run.args.fsdp:
-        save_sharded(run, step)
-    elif run.rank == 0:
-        path = checkpoint_path(run.args.log_dir, step)
-        state = training_state(t.raw_model, t.optimizer, t.scaler, step, run.train_loader, run.args)
-        if save_checkpoint(path, state):
-            prune_checkpoints(run.args.log_dir, run.args.keep_last)
-            run.log(f"saved {path}")
-
-
-def save_sharded(run, step):
-    """A sharded checkpoint of step, written by every rank; with --async_checkpoint in the
-    background, once the previous one is complete. A disk without room for any rank's shards, or
-    a failed write, is a warning on every rank, and training goes on."""
-    wait_for_checkpoint(run)
-    t, path = run.trainable, checkpoint_path(run.args.log_dir, step, sharded=True)
-    state = run_state(t.raw_model, t.scaler, step, run.train_loader, run.args)
-    room = agree_on_room(run.args.log_dir, [t.raw_model.state_dict(), t.optimizer.state_dict()])
-    if room is not None:
-        print(f"warning: skipping checkpoint {path}: {room}", file=sys.stderr)
-        return
-    try:
-        future = checkpoint.save_sharded(path, t.raw_model, t.optimizer, state, async_save=run.args.async_checkpoint)
-    except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
-        print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
-        return
-    run.pending_checkpoint = (path, future)
-    if future is None:
-        wait_for_checkpoint(run)
-
-
-def wait_for_checkpoint(run):
-    """Waits until the checkpoint being written, if any, is complete and in place."""
-    if run.pending_checkpoint is None:
-        return
-    (path, future), run.pending_checkpoint = run.pending_checkpoint, None
-    try:
-        if future is not None:
-            future.result()
-            if dist.is_initialized():
-                dist.barrier()  # rank 0 has renamed it into place
-    except (OSError, CheckpointException) as e:
-        print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
-        return
-    if run.rank == 0:
-        prune_checkpoints(run.args.log_dir, run.args.keep_last)
-    run.log(f"saved {path}")
-
-
-def agree_on_room(log_dir, states):
-    """None if every rank's disk has room for its shards of states, else why not (on every rank)."""
-    need = 1.1 * sum(t.numel() * t.element_size() for t in checkpoint.tensors_in(states)) + (1 << 20)
-    free = shutil.disk_usage(log_dir).free
-    short = [f"{free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed" for free, need in every_rank((free, need))
-             if free < need]
-    return short[0] if short else None
-
+        run.log("\n".join(f"sample {i}: {text}" for i, text in enumerate(texts)))
+        run.metrics.write(step=step, tokens=step * run.args.total_batch_size, samples=texts)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -494,22 +419,17 @@ class Run:
     val_loader: ShardLoader  # None without val shards
     hellaswag_examples: list  # None when not scored
     start_step: int
-    run_log: "RunLog"
+    metrics: MetricsLog
+    checkpointer: Checkpointer
     flops_per_step: float
     peak_flops: float  # None where unknown: no MFU
     log_dir_lock: object  # on rank 0, the open file whose lock keeps other runs out of log_dir
-    pending_checkpoint: tuple = None  # (path, future) of a sharded checkpoint still being written
 
 
 def setup(args):
-    """Processes, data, model and optimizer, and the state to resume from, in that order."""
-    rank, local_rank, world_size, device = setup_distributed(args.device)
-    device_type = device.split(":")[0]
-
-    def log(message):
-        if rank == 0:
-            print(message, flush=True)
-
+    """Processes, log_dir, data, model and optimizer, and the state to resume from, in that order."""
+    rank, local_rank, world_size, device = distributed.setup(args.device)
+    log = print_on_rank_0(rank)
     check_args(args, world_size)
     if args.init_from == "scratch":
         on_every_rank(check_fits, args, device, world_size)
@@ -518,111 +438,52 @@ def setup(args):
         f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
     torch.manual_seed(args.seed)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
-    on_every_rank(make_log_dir, args.log_dir)
-    log_dir_lock = on_every_rank(claim_log_dir, args.log_dir, rank == 0)
-    on_every_rank(tidy_log_dir, args.log_dir, args.resume, log, rank == 0)
-    mirrors = on_every_rank(log_mirrors, args, rank == 0)
-    if args.fsdp and not dist.is_initialized():
-        raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
-    if args.async_checkpoint and not args.fsdp:
-        raise RunError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+    log_dir_lock, mirrors = prepare_log_dir(args, rank, log)
     raw_model, init = build_model(args, device, log)
     if args.seq_len > raw_model.config.block_size:
         raise RunError(f"--seq_len {args.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
     on_every_rank(ensure_demo_shards, args, rank, log)
     train_loader, val_loader = build_loaders(args, rank, world_size, raw_model.config.vocab_size, log)
-    hellaswag_examples = load_hellaswag(args, local_rank, log)
-    compile_mode = args.compile_mode if resolve_compile(args.compile, device_type, log) else None
-    t = build_trainable(raw_model, device, pick_dtype(args.dtype, device_type), grad_accum_steps, args.grad_clip,
-                        args.weight_decay, args.max_lr, compile_mode, attention=args.attention, fsdp=bool(args.fsdp),
-                        init=init, recompute=args.recompute, recompute_every=args.recompute_every,
-                        chunked_loss=bool(args.chunked_loss))
-    start_step = resume(args, t, train_loader, log)
-    evaluate_only = start_step >= args.max_steps
+    hellaswag_examples = load_hellaswag(args, local_rank, raw_model.config, log)
+    compile_mode = args.compile_mode if resolve_compile(args.compile, device.split(":")[0], log) else None
+    t = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
+                        args.grad_clip, args.weight_decay, args.max_lr, compile_mode, attention=args.attention,
+                        fsdp=bool(args.fsdp), init=init, recompute=args.recompute,
+                        recompute_every=args.recompute_every, chunked_loss=bool(args.chunked_loss))
+    checkpointer = Checkpointer(args.log_dir, args.checkpoint_interval, args.keep_last, sharded=bool(args.fsdp),
+                                async_save=args.async_checkpoint, log=log)
+    start_step = checkpointer.restore(args.resume, t, train_loader, args.max_steps)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
-    run_log = on_every_rank(RunLog, args.log_dir, None if evaluate_only else start_step, rank == 0, mirrors)
-
-    if hellaswag_examples:
-        try:
-            hellaswag.check_model(raw_model.config, hellaswag_examples)
-        except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
-            log(f"note: skipping HellaSwag: {e}")
-            hellaswag_examples = None
+    keep_before = None if start_step >= args.max_steps else start_step
+    metrics = on_every_rank(MetricsLog, args.log_dir, keep_before, rank == 0, mirrors)
     if args.sample_interval and gpt2_vocab_problem(raw_model.config.vocab_size):
         log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
         args.sample_interval = 0
-    flops_per_step = raw_model.flops_per_token(args.seq_len) * args.total_batch_size
     peak = peak_flops(device)
     return Run(args, rank, world_size, device, log, t, train_loader, val_loader, hellaswag_examples, start_step,
-               run_log, flops_per_step, peak * world_size if peak else None, log_dir_lock)
+               metrics, checkpointer, raw_model.flops_per_token(args.seq_len) * args.total_batch_size,
+               peak * world_size if peak else None, log_dir_lock)
 
 
-def setup_distributed(device_arg):
-    """(rank, local_rank, world_size, device): from torchrun's environment, or one process.
-    NCCL joins CUDA processes, gloo CPU ones, so data parallelism runs (and is tested) on CPU."""
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    try:
-        device = pick_device(device_arg, local_rank if "RANK" in os.environ else None)
-    except ValueError as e:
-        raise RunError(f"--device {device_arg}: {e}") from None
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ:
-        # Imported before the group exists: on first import this module binds the default group
-        # as a default argument (DDP imports it, through torch._dynamo) and would hold it, and
-        # gloo's worker threads, past leave_process_group.
-        importlib.import_module("torch.distributed.nn")  # not `import torch...`: that would make torch local here
-        on_cuda = device.startswith("cuda")  # NCCL for CUDA, bound to this process's GPU
-        dist.init_process_group("nccl" if on_cuda else "gloo", store=restart_safe_store(world_size), rank=rank,
-                                world_size=world_size, device_id=torch.device(device) if on_cuda else None)
-    return rank, local_rank, world_size, device
+def print_on_rank_0(rank):
+    def log(message):
+        if rank == 0:
+            print(message, flush=True)
+    return log
 
 
-def every_rank(value):
-    """[rank 0's value, rank 1's, ...]: what each rank found, for decisions all ranks must share."""
-    if not dist.is_initialized():
-        return [value]
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def on_every_rank(fn, *args):
-    """fn(*args), where a RunError raised on any rank is raised on every rank (see agree)."""
-    try:
-        result, error = fn(*args), None
-    except RunError as e:
-        result, error = None, str(e)
-    agree(error)
-    return result
-
-
-def agree(error):
-    """Raises RunError on every rank if any rank found an error (a message; None for none):
-    a refusal taken on one rank alone would leave the others waiting at the next collective."""
-    errors = [e for e in every_rank(error) if e is not None]
-    if errors:
-        raise RunError(errors[0])
-
-
-def restart_safe_store(world_size):
-    """The key-value store the ranks meet in. torchrun's agent keeps one store alive across
-    --max-restarts, and workers of a new attempt could read the addresses their killed
-    predecessors left there (connection refused, or a hang). Prefixing the keys with the
-    attempt number keeps each attempt's keys its own. None: let init_process_group decide."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-
-
-def leave_process_group():
-    """Destroys the group once nothing holds it, so that gloo's worker threads are joined here
-    rather than left running as the interpreter exits (where one can abort a finished run). The
-    DDP wrapper holds the group and sits in a reference cycle: only the garbage collector frees it."""
-    if dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
+def prepare_log_dir(args, rank, log):
+    """Makes and claims log_dir, tidies it, and checks the flags that decide what goes in it;
+    returns (the lock rank 0 holds, the log mirrors)."""
+    on_every_rank(logdir.make_log_dir, args.log_dir)
+    log_dir_lock = on_every_rank(logdir.claim_log_dir, args.log_dir, rank == 0)
+    on_every_rank(logdir.tidy_log_dir, args.log_dir, args.resume, log, rank == 0)
+    mirrors = on_every_rank(logdir.log_mirrors, args, rank == 0)
+    if args.fsdp and not dist.is_initialized():
+        raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
+    if args.async_checkpoint and not args.fsdp:
+        raise RunError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+    return log_dir_lock, mirrors
 
 
 def resolve_compile(flag, device_type, log):
@@ -635,53 +496,11 @@ def resolve_compile(flag, device_type, log):
     return False
 
 
-def make_log_dir(log_dir):
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"--log_dir {log_dir}: cannot make it ({e.strerror})") from None
-
-
 def check_fits(args, device, world_size):
     """Refuses, before allocating, a model the device cannot hold (memory.fit_problem)."""
     problem = memory.fit_problem(model_config(args), device, world_size, bool(args.fsdp))
     if problem:
         raise RunError(f"{problem} (see --plan)")
-
-
-def claim_log_dir(log_dir, enabled):
-    """On rank 0 (enabled), the lock that refuses a second run in log_dir: two would interleave
-    their checkpoints and logs. The kernel releases it when the process ends, however it ends. A
-    log_dir where the lock cannot be written (read-only, or its .lock not a regular file) is refused too."""
-    if not enabled:
-        return None
-    try:
-        return claim_directory(log_dir, "train_gpt2.py run")
-    except CannotClaim as e:
-        raise RunError(f"--log_dir {e}") from None
-
-
-def tidy_log_dir(log_dir, resume, log, enabled):
-    """On rank 0 (enabled): removes what killed saves left; starting over (--resume none) where a
-    run already is, moves that run's files into log_dir/previous_<time>/, so that no directory
-    ever holds two runs' checkpoints."""
-    if not enabled:
-        return
-    try:
-        checkpoint.remove_unfinished(log_dir)
-        names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
-        if resume != "none" or not names:
-            return
-        aside = os.path.join(log_dir, time.strftime("previous_%Y%m%d-%H%M%S", time.gmtime()))
-        os.makedirs(aside)
-        for name in names:
-            os.rename(os.path.join(log_dir, name), os.path.join(aside, name))
-    except OSError as e:
-        raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
-    log(f"--resume none: moved the earlier run's files ({', '.join(sorted(names))}) to {aside}")
-
-
-RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
 
 
 def build_model(args, device, log):
@@ -697,35 +516,6 @@ def build_model(args, device, log):
         return load_model(args.init_from).to(device), None
     except CheckpointError as e:
         raise RunError(f"--init_from: {e}") from None
-
-
-def resume(args, t, train_loader, log):
-    """Restores the checkpoint --resume names, if any, into t and the loader; returns the step to
-    start from. Every rank reads the checkpoint itself, so all must find the same one: on several
-    nodes, log_dir must be shared storage. Under --resume auto, a sharded checkpoint whose shards
-    cannot be read (damage shows only then) is passed over for the next older one, which
-    overwrites whatever the failed restore had loaded."""
-    found = find_resume(args.resume, args.log_dir)
-    while True:
-        steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
-        if len(set(steps)) > 1:
-            raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
-                           f"on several nodes, --log_dir must be a directory they all share")
-        if found is None:
-            return 0
-        path, state = found
-        try:
-            step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
-            break
-        except UnreadableShards as e:
-            if args.resume != "auto":
-                raise
-            log(f"warning: skipping {e}")
-            found = latest_checkpoint(args.log_dir, before=checkpoint.checkpoint_step(path))
-    log(f"resuming from {path} at step {step}")
-    if args.resume != "auto" and step < args.max_steps:
-        check_no_later_checkpoints(args.log_dir, step)
-    return step
 
 
 def ensure_demo_shards(args, rank, log):
@@ -766,7 +556,7 @@ def build_loaders(args, rank, world_size, vocab_size, log):
     return train, val
 
 
-def load_hellaswag(args, local_rank, log):
+def load_hellaswag(args, local_rank, config, log):
     """The HellaSwag examples to score at each eval, or None with a one-line note. Each eval is
     a collective, so unless every rank loaded the same number of examples, no rank scores any."""
     if not args.hellaswag or not args.eval_interval:
@@ -782,6 +572,12 @@ def load_hellaswag(args, local_rank, log):
     if len(set(counts)) > 1:
         log(f"note: skipping HellaSwag: not every rank could load it (examples per rank: {counts})")
         return None
+    if examples:
+        try:
+            hellaswag.check_model(config, examples)
+        except hellaswag.HellaSwagError as e:  # the same examples on every rank: all skip alike
+            log(f"note: skipping HellaSwag: {e}")
+            return None
     return examples
 
 
@@ -848,89 +644,6 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
 
 # ----------------------------------------------------------------------------- bookkeeping
 
-class RunLog:
-    """log.jsonl: one JSON object per event, all with `step` and `tokens`. A run that trains from
-    step s keeps the records of steps before s: those of later steps, written after that
-    checkpoint by a run that then died, are dropped, so no step is counted twice (keep_before=s;
-    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard)."""
-
-    def __init__(self, log_dir, keep_before, enabled, mirrors=()):
-        self.path = os.path.join(log_dir, "log.jsonl")
-        self.enabled = enabled
-        self.mirrors = mirrors
-        if enabled:  # rewritten even when every record is kept: a half-written last line goes
-            kept = self._records_before(keep_before)
-            try:
-                with atomic_open(self.path, "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in kept)
-            except OSError as e:  # a full disk: the file stays as it was, and training goes on
-                print(f"warning: could not rewrite {self.path}: {e}", file=sys.stderr)
-
-    def _records_before(self, step):
-        if os.path.isdir(self.path):
-            raise RunError(f"{self.path} is a directory, not the run's log: move it out of --log_dir")
-        if not os.path.exists(self.path):
-            return []
-        kept, skipped = [], 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # the last line of a run killed mid-write, bytes that are not UTF-8
-                    record = None
-                if not (isinstance(record, dict) and type(record.get("step")) is int):
-                    skipped += 1
-                elif step is None or record["step"] < step:
-                    kept.append(record)
-        if skipped:
-            print(f"warning: {self.path}: skipped {skipped} line(s) that are not records of a step", file=sys.stderr)
-        return kept
-
-    def write(self, **record):
-        if self.enabled:
-            try:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError as e:  # a full disk: a record lost costs less than the run
-                print(f"warning: could not append to {self.path}: {e}", file=sys.stderr)
-            for mirror in self.mirrors:
-                mirror(record)
-
-
-def log_mirrors(args, enabled):
-    """Callables that copy each log record to wandb and/or TensorBoard, imported only when asked for
-    (on every rank, so that a missing package stops them all), made only where enabled (rank 0)."""
-    mirrors = []
-    if args.wandb:
-        try:
-            import wandb
-        except ImportError:
-            raise RunError("--wandb needs the wandb package: pip install wandb") from None
-    if args.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise RunError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    if not enabled:
-        return mirrors
-    if args.wandb:
-        run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
-                         dir=args.log_dir, config=vars(args))
-        mirrors.append(lambda r: run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
-    if args.tensorboard:
-        writer = SummaryWriter(os.path.join(args.log_dir, "tensorboard"))
-
-        def to_tensorboard(record):
-            for key, value in record.items():
-                if key == "samples":
-                    writer.add_text(key, "\n\n".join(value), record["step"])
-                elif key != "step" and isinstance(value, (int, float)):
-                    writer.add_scalar(key, value, record["step"])
-            writer.flush()
-        mirrors.append(to_tensorboard)
-    return mirrors
-
-
 class StopSignal:
     """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
     to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once."""
@@ -939,8 +652,7 @@ class StopSignal:
 
     def __enter__(self):
         self.received = None
-        # On the host, over gloo: asking the other ranks never waits for the GPU's queue to drain.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = distributed.host_group("signals")
         self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
         return self
 
@@ -1027,7 +739,7 @@ def main(argv=None):
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
         error, code = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest", 130
     finally:
-        leave_process_group()
+        distributed.leave()
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {error}", file=sys.stderr)
     sys.exit(code)

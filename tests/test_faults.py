@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import logdir
 import train_gpt2
 from conftest import (REPO, disk_full, file_size_limit, finish_torchrun, listdir, popen_torchrun, run_torchrun,
                       write_token_shards)
@@ -173,8 +174,8 @@ def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_pat
             disk_full()
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(train_gpt2, "open", disk_full_for_the_log, raising=False)  # shadows the builtin there
-    monkeypatch.setattr(train_gpt2, "atomic_open", disk_full)  # the rewrite at the start
+    monkeypatch.setattr(logdir, "open", disk_full_for_the_log, raising=False)  # shadows the builtin there
+    monkeypatch.setattr(logdir, "atomic_open", disk_full)  # the rewrite at the start
     train_gpt2.main(TINY + ["--data_dir", shards, "--log_dir", str(tmp_path), *RUN])
     err = capsys.readouterr().err
     assert "warning: could not rewrite" in err and "warning: could not append to" in err
@@ -300,16 +301,16 @@ GLOO_THREADS_AT_EXIT = """
 import gc, os, sys
 import torch
 sys.path.insert(0, {repo!r})
-import train_gpt2
+import distributed
 gc.disable()  # a collection at some arbitrary moment must not be what frees the DDP wrapper
 threads = lambda: len(os.listdir("/proc/self/task"))
 torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()  # any thread torch itself keeps is started
 before = threads()
-train_gpt2.setup_distributed("cpu")
+distributed.setup("cpu")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
 model(torch.ones(2, 4)).sum().backward()
 del model
-train_gpt2.leave_process_group()
+distributed.leave()
 print("threads", before, threads())
 """
 
@@ -329,7 +330,7 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path):
 ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {repo!r})
-import hellaswag, train_gpt2
+import checkpoint, hellaswag, train_gpt2
 if os.environ["RANK"] == "1":
     {patch}
 train_gpt2.main()
@@ -345,7 +346,7 @@ def run_with_rank_1_patched(tmp_path, patch, *args):
 def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path):
     train(shards, tmp_path, *RUN, "--max_steps", "2")
     # As on a second node that does not share rank 0's disk: it finds no checkpoint.
-    result = run_with_rank_1_patched(tmp_path, "train_gpt2.find_resume = lambda resume, log_dir: None",
+    result = run_with_rank_1_patched(tmp_path, "checkpoint.find_resume = lambda resume, log_dir: None",
                                      "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4")
     assert result.returncode == 1
     assert result.stderr.count("error: the ranks found different checkpoints to resume from "

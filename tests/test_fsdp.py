@@ -138,7 +138,7 @@ META_INIT = """
 import sys
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
-import sharding, train_gpt2
+import distributed, sharding
 from model import GPT, GPTConfig
 dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven shards
@@ -152,7 +152,7 @@ eager = GPT(config)
 same = all(torch.equal(p.full_tensor(), eager.state_dict()[name]) for name, p in model.named_parameters())
 print(f"rank {{dist.get_rank()}}: weights equal {{same}}, generator equal {{torch.equal(after, torch.get_rng_state())}}")
 del model, init  # what holds the group goes first: its gloo threads are joined here, not at exit
-train_gpt2.leave_process_group()
+distributed.leave()
 """
 
 

@@ -11,6 +11,7 @@ import torch
 import atomic
 import checkpoint
 import devices
+import distributed
 import train_gpt2
 from checkpoint import load_checkpoint
 from conftest import REPO, listdir, run_script, run_torchrun, save_as_checkpoint, write_token_shards
@@ -275,16 +276,16 @@ def test_a_cuda_process_sets_its_device(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     current = []
-    monkeypatch.setattr(train_gpt2, "pick_device", lambda arg, local_rank: "cuda:1")
+    monkeypatch.setattr(distributed, "pick_device", lambda arg, local_rank: "cuda:1")
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    assert train_gpt2.setup_distributed("cuda:1") == (0, 0, 1, "cuda:1") and current == ["cuda:1"]
+    assert distributed.setup("cuda:1") == (0, 0, 1, "cuda:1") and current == ["cuda:1"]
 
 
 def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     """With gradient_as_bucket_view, DDP's all-reduce buckets are the gradients: every micro-step
     of every step accumulates into them, never into a second, freshly allocated set."""
     import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  (see train_gpt2.setup_distributed)
+    import torch.distributed.nn  # noqa: F401  (see distributed.setup)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -300,7 +301,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
             assert not train_gpt2.train_step(t, loader, 1e-3).skipped
     finally:  # DDP's reducer freed before the group, as the trainer does: freed after, it can hang joining gloo's threads
         model = t = None
-        train_gpt2.leave_process_group()
+        distributed.leave()
     # The first step allocates, and DDP copies into its bucket and keeps the bucket as the gradient.
     assert len(where) == 4 and where[2] == where[3] == raw_model.lm_head.weight.grad.data_ptr() != where[0]
 
@@ -916,16 +917,17 @@ NON_FINITE_ON_RANK_1 = """
 import math, os, sys
 sys.path.insert(0, {repo!r})
 import torch
+import checkpoint
 import train_gpt2
-real_save = train_gpt2.save
+real_save = checkpoint.Checkpointer.save
 
 
-def save(run, step):  # as if rank 1 alone had found its weights no longer finite
+def save(self, step, t, train_loader, args):  # as if rank 1 alone had found its weights no longer finite
     if os.environ["RANK"] == "1":
         with torch.no_grad():
-            run.trainable.raw_model.lm_head.weight[0, 0] = math.inf
-    real_save(run, step)
-train_gpt2.save = save
+            t.raw_model.lm_head.weight[0, 0] = math.inf
+    real_save(self, step, t, train_loader, args)
+checkpoint.Checkpointer.save = save
 train_gpt2.main()
 """
 

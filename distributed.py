@@ -1,0 +1,102 @@
+"""The processes of a run: joining torchrun's process group (NCCL for GPUs, gloo for CPUs, so
+data parallelism runs and is tested on a CPU) and leaving it, the gloo groups beside it, and the
+decisions every rank must take alike."""
+import gc
+import importlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from devices import pick_device
+
+
+class RunError(Exception):
+    """A bad argument or state that stops the run, on every rank, with one line and exit code 1."""
+
+
+def setup(device_arg):
+    """(rank, local_rank, world_size, device): from torchrun's environment, or one process."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    try:
+        device = pick_device(device_arg, local_rank if "RANK" in os.environ else None)
+    except ValueError as e:
+        raise RunError(f"--device {device_arg}: {e}") from None
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        # Imported before the group exists: on first import this module binds the default group
+        # as a default argument (DDP imports it, through torch._dynamo) and would hold it, and
+        # gloo's worker threads, past leave().
+        importlib.import_module("torch.distributed.nn")  # not `import torch...`: that would make torch local here
+        on_cuda = device.startswith("cuda")  # NCCL for CUDA, bound to this process's GPU
+        dist.init_process_group("nccl" if on_cuda else "gloo", store=restart_safe_store(world_size), rank=rank,
+                                world_size=world_size, device_id=torch.device(device) if on_cuda else None)
+    return rank, local_rank, world_size, device
+
+
+def restart_safe_store(world_size):
+    """The key-value store the ranks meet in. torchrun's agent keeps one store alive across
+    --max-restarts, and workers of a new attempt could read the addresses their killed
+    predecessors left there (connection refused, or a hang). Prefixing the keys with the
+    attempt number keeps each attempt's keys its own. None: let init_process_group decide."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+_host_groups = {}
+
+
+def host_group(purpose):
+    """A gloo group of its own for purpose ("signals", "checkpoints"), or None in one process.
+    On the host, beside the training's group: asking whether to stop never waits for the GPU's
+    queue, and a checkpoint written in the background never interleaves its collectives with the
+    training's. Made on first use, which every rank reaches at the same point."""
+    if not dist.is_initialized():
+        return None
+    if purpose not in _host_groups:
+        _host_groups[purpose] = dist.new_group(backend="gloo")
+    return _host_groups[purpose]
+
+
+def leave():
+    """Destroys the groups once nothing holds them, so that gloo's worker threads are joined here
+    rather than left running as the interpreter exits (where one can abort a finished run). The
+    DDP wrapper holds the group and sits in a reference cycle: only the garbage collector frees it."""
+    if dist.is_initialized():
+        gc.collect()
+        _host_groups.clear()
+        dist.destroy_process_group()
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def every_rank(value):
+    """[rank 0's value, rank 1's, ...]: what each rank found, for decisions all ranks must share."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def on_every_rank(fn, *args):
+    """fn(*args), where a RunError raised on any rank is raised on every rank (see agree)."""
+    try:
+        result, error = fn(*args), None
+    except RunError as e:
+        result, error = None, str(e)
+    agree(error)
+    return result
+
+
+def agree(error):
+    """Raises RunError on every rank if any rank found an error (a message; None for none):
+    a refusal taken on one rank alone would leave the others waiting at the next collective."""
+    errors = [e for e in every_rank(error) if e is not None]
+    if errors:
+        raise RunError(errors[0])
