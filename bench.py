@@ -37,7 +37,7 @@ from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
-from tokenizer import EOT, N_VOCAB, get_encoding
+from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from train_gpt2 import build_trainable, train_step
 
@@ -53,7 +53,6 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 # --recompute mode cost in time (and, on CUDA, save in peak memory).
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
-PADDED_VOCAB = 50304  # the project's vocabulary, the larger of the two that train runs
 
 
 def parse_args(argv=None):
@@ -444,7 +443,7 @@ def bench_hellaswag(args, device, record):
     else:
         size, n, batch_size = dict(n_layer=4, n_head=4, n_embd=256), 384, 16
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50304, **size)).to(device).eval()
+    model = GPT(GPTConfig(vocab_size=PADDED_VOCAB, **size)).to(device).eval()
     dtype = pick_dtype(args.dtype, device_type)
     examples = synthetic_examples(n)
     variants = {

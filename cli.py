@@ -1,8 +1,42 @@
-"""What the scripts' command lines share: errors in one line."""
+"""What the scripts' command lines share: errors in one line, and config files of flag values
+(configs/NAME.toml, the trainer's presets)."""
 import argparse
+import os
+import stat
+import tomllib
 
 from atomic import check_writable
 from tokenizer import N_VOCAB
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def preset_names():
+    """The presets, configs/NAME.toml, by name."""
+    return sorted(name[:-len(".toml")] for name in os.listdir(CONFIG_DIR) if name.endswith(".toml"))
+
+
+def preset_path(name):
+    return os.path.join(CONFIG_DIR, f"{name}.toml")
+
+
+class ConfigError(Exception):
+    """A config file that cannot be read, or is not TOML."""
+
+
+def read_config(path):
+    """The key-value pairs of the TOML file at path (read only if it is a regular file: a FIFO or
+    /dev/zero would never end)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not TOML ({e})") from None
 
 
 class Parser(argparse.ArgumentParser):
@@ -13,6 +47,24 @@ class Parser(argparse.ArgumentParser):
 
     def fail(self, message):
         self.exit(1, f"{self.prog}: error: {message}\n")
+
+    def config_defaults(self, path, not_keys=()):
+        """The values of the config file at path, checked against this parser's flags (its keys are
+        their long names without dashes; not_keys are refused), as a dict for set_defaults: flags
+        given on the command line still win. Any problem is a usage error naming the file and key."""
+        try:
+            values = read_config(path)
+        except ConfigError as e:
+            self.error(str(e))
+        flags = {action.dest: action for action in self._actions if action.option_strings}
+        for key, value in values.items():
+            action = flags.get(key)
+            if action is None or key in not_keys or key == "help":
+                self.error(f"{path}: unknown key {key!r} (not one of the flags' long names)")
+            problem = value_problem(action, value)
+            if problem:
+                self.error(f"{path}: {key} {problem}")
+        return {key: float(value) if flags[key].type is float else value for key, value in values.items()}
 
     def check_output(self, flag, path):
         """A one-line exit unless path can be written: found out before the work, not after it."""
@@ -26,4 +78,22 @@ def gpt2_vocab_problem(vocab_size):
     """Why a model of vocab_size cannot read or write GPT-2's token ids, or None if it can."""
     if vocab_size < N_VOCAB:
         return f"a vocabulary of {vocab_size} cannot hold GPT-2's {N_VOCAB} token ids"
+    return None
+
+
+def value_problem(action, value):
+    """Why value (read from a config file) cannot be action's, or None."""
+    if isinstance(action, argparse._StoreTrueAction):
+        expected = bool
+    elif action.type in (int, float):
+        expected = (int, float) if action.type is float else int
+    elif action.type is None and action.nargs is None and isinstance(action, argparse._StoreAction):
+        expected = str
+    else:
+        return "cannot be set in a config file"
+    if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
+        names = {bool: "true or false", int: "an integer", str: "a string"}
+        return f"must be {names.get(expected, 'a number')}, not {value!r}"
+    if action.choices is not None and value not in action.choices:
+        return f"must be one of {', '.join(map(str, action.choices))}, not {value!r}"
     return None

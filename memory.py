@@ -11,7 +11,9 @@ import sys
 from dataclasses import dataclass
 
 from devices import device_memory
-from model import LOSS_CHUNK
+from cli import preset_names, preset_path, read_config
+from model import LOSS_CHUNK, GPTConfig
+from tokenizer import PADDED_VOCAB
 
 GiB = 2**30
 
@@ -121,22 +123,26 @@ def largest_batch(config, gib, **kw):
     return batch
 
 
+def preset_model(name):
+    """(GPTConfig, chunked_loss) of the preset configs/NAME.toml: its model flags over the
+    trainer's defaults, GPT-2 (124M) at the padded vocabulary."""
+    values = read_config(preset_path(name))
+    fields = {key: values[key] for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd") if key in values}
+    return GPTConfig(**{"vocab_size": PADDED_VOCAB, **fields}), bool(values.get("chunked_loss", 0))
+
+
 def presets_table(gpus=(24, 40, 80), world_size=8):
     """Markdown: for each preset, the largest micro-batch per GPU under DDP and FSDP, without and
     with full recompute, in bfloat16, with the preset's loss (chunked from gpt2-large on)."""
-    from train_gpt2 import PRESETS, preset_config
-
     ways = [("DDP", dict()), ("DDP, recompute full", dict(recompute="full")),
             (f"FSDP ×{world_size}", dict(fsdp=True, world_size=world_size)),
             (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, world_size=world_size, recompute="full"))]
     lines = ["| model | params | GPU | " + " | ".join(name for name, _ in ways) + " |",
              "|---" * (3 + len(ways)) + "|"]
-    for name in PRESETS:
-        if name == "demo":
-            continue
-        config, args = preset_config(name)
+    presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
+    for name, (config, chunked_loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
         for gib in gpus:
-            batches = [largest_batch(config, gib, chunked_loss=bool(args.chunked_loss), **kw) or "—" for _, kw in ways]
+            batches = [largest_batch(config, gib, chunked_loss=chunked_loss, **kw) or "—" for _, kw in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = 50256  # <|endoftext|>: separates documents, the last id of the vocabulary
 N_VOCAB = 50257  # real tokens; training pads the embedding to 50304 for speed
+PADDED_VOCAB = 50304  # N_VOCAB rounded up to a multiple of 128, for faster matmuls
 
 
 @lru_cache(maxsize=None)

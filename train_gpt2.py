@@ -30,34 +30,17 @@ import logdir
 import memory
 import sharding
 from checkpoint import CheckpointError, Checkpointer, load_model
-from cli import Parser, gpt2_vocab_problem
+from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
-from tokenizer import get_encoding
+from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BATCH_1M = dict(total_batch_size=2**20, warmup_steps=357, max_steps=9537, chunked_loss=1)
-PRESETS = {
-    "gpt2": {},  # the defaults below: GPT-2 (124M)
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, max_lr=3e-4, micro_batch_size=32),
-    # Larger: GPT-3's learning rates and batches (its Table 2.1) for the nearest size; batches of
-    # 2**20 tokens warm up over the same 375M tokens and take 9,537 steps for 10B. T stays 1024.
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, max_lr=2.5e-4, micro_batch_size=16, chunked_loss=1),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, max_lr=2e-4, micro_batch_size=8, **BATCH_1M),
-    # GPT-3 XL has 24 heads of 128, which do not divide its width of 2048: 16 heads of 128 do.
-    "gpt3-xl": dict(n_layer=24, n_head=16, n_embd=2048, max_lr=2e-4, micro_batch_size=8, **BATCH_1M),
-    "gpt3-2.7b": dict(n_layer=32, n_head=32, n_embd=2560, max_lr=1.6e-4, micro_batch_size=4, **BATCH_1M),
-    # A few minutes on 2 CPU cores: Tiny Shakespeare, sharded on first use, and a 4-layer GPT.
-    "demo": dict(
-        data_dir=os.path.join(HERE, "data", "shakespeare"), log_dir="log_demo", n_layer=4, n_head=4, n_embd=128,
-        block_size=128, total_batch_size=1024, micro_batch_size=8, seq_len=128, max_steps=150, warmup_steps=15,
-        max_lr=2e-3, eval_interval=50, val_steps=8, sample_interval=50, checkpoint_interval=0,
-        hellaswag_path=os.path.join(hellaswag.CACHE_DIR, "hellaswag_val.jsonl"), hellaswag_limit=500, resume="none",
-    ),
-}
+PRESETS = {name: read_config(preset_path(name)) for name in preset_names()}  # configs/NAME.toml
+REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 
 
@@ -73,7 +56,11 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescr
 def build_parser(add_help=True):
     p = Parser(description=__doc__, formatter_class=HelpWithDefaults, add_help=add_help)
     a = p.add_argument
-    a("--preset", default="gpt2", choices=PRESETS, help="a named recipe whose values become the defaults")
+    a("--preset", default="gpt2", choices=PRESETS, metavar="NAME",
+      help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(PRESETS)}")
+    a("--config", metavar="FILE", default=None,
+      help="a TOML file of the same form as a preset's (keys: the flags' long names without dashes), read after "
+           "the preset; flags given on the command line override both")
     a("--data_dir", default="edu_fineweb10B", help="directory of *_train_*.npy and *_val_*.npy shards")
     a("--log_dir", default="log", help="log.jsonl and checkpoints go here")
     a("--init_from", default="scratch",
@@ -83,7 +70,7 @@ def build_parser(add_help=True):
     a("--n_head", type=int, default=12, help="attention heads per block")
     a("--n_embd", type=int, default=768, help="width of the residual stream")
     a("--block_size", type=int, default=1024, help="context length of the model")
-    a("--vocab_size", type=int, default=50304, help="embedding rows: GPT-2's 50257 padded to a multiple of 128")
+    a("--vocab_size", type=int, default=PADDED_VOCAB, help="embedding rows: GPT-2's 50257 padded to a multiple of 128")
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all ranks")
     a("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per rank")
     a("-T", "--seq_len", type=int, default=1024, help="tokens per sequence")
@@ -151,11 +138,17 @@ def parse_fault(spec):
 
 
 def parse_args(argv=None):
-    # A preset's values become defaults, so flags given on the command line still win, and
-    # --help shows them. The preset is read first, by a parser that leaves --help for later.
-    preset = build_parser(add_help=False).parse_known_args(argv)[0].preset
+    # A preset's and a config's values become defaults, so flags given on the command line still
+    # win, and --help shows them. They are named first, to a parser that leaves --help for later.
+    named = build_parser(add_help=False).parse_known_args(argv)[0]
     parser = build_parser()
-    parser.set_defaults(**PRESETS[preset])
+    preset = parser.config_defaults(preset_path(named.preset), not_keys=("preset", "config"))
+    for key in REPOSITORY_PATHS:
+        if key in preset:
+            preset[key] = os.path.join(HERE, preset[key])
+    parser.set_defaults(**preset)
+    if named.config is not None:
+        parser.set_defaults(**parser.config_defaults(named.config, not_keys=("preset", "config")))
     args = parser.parse_args(argv)
     if args.plan_world_size is not None and args.plan_world_size < 1:  # 0 would read as torchrun's, or 1
         parser.error(f"--plan_world_size must be positive, not {args.plan_world_size}")
@@ -719,12 +712,6 @@ def print_plan(args):
 def model_config(args):
     return GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd)
-
-
-def preset_config(name):
-    """(GPTConfig, args) of a preset (memory.py's table)."""
-    args = parse_args(["--preset", name])
-    return model_config(args), args
 
 
 def main(argv=None):

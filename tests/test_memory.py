@@ -103,10 +103,16 @@ def test_plan_of_an_absurd_depth_is_printed_at_once():
 def test_parameter_count_of_every_preset():
     assert memory.n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
     for name in train_gpt2.PRESETS:
-        config, _ = train_gpt2.preset_config(name)
+        config, _ = memory.preset_model(name)
         with torch.device("meta"):
             model = GPT(config)
         assert memory.n_params(config) == sum(p.numel() for p in model.parameters()), name
+
+
+def test_memory_reads_each_preset_as_the_trainer_does():
+    for name in train_gpt2.PRESETS:
+        args = train_gpt2.parse_args(["--preset", name])
+        assert memory.preset_model(name) == (train_gpt2.model_config(args), bool(args.chunked_loss)), name
 
 
 def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
@@ -114,7 +120,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
     train_gpt2.main(["--preset", "gpt2-xl", "--plan", "--plan_world_size", "8", "--fsdp", "1", "--recompute", "full",
                      "--log_dir", str(log_dir), "--data_dir", str(data_dir)])
     out = capsys.readouterr().out
-    config, _ = train_gpt2.preset_config("gpt2-xl")
+    config, _ = memory.preset_model("gpt2-xl")
     expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
     assert "8 GPU(s) under FSDP" in out and f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
@@ -156,7 +162,7 @@ def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
 
 
 def test_sharding_and_recompute_shrink_the_plan():
-    config, _ = train_gpt2.preset_config("gpt2-xl")
+    config, _ = memory.preset_model("gpt2-xl")
     ddp = memory.plan(config, 8, 1024)
     fsdp = memory.plan(config, 8, 1024, world_size=8, fsdp=True)
     recomputed = memory.plan(config, 8, 1024, recompute="full")

@@ -1,0 +1,53 @@
+"""cli.py: config files of flag values (the trainer's presets and --config), read as plain data
+and checked against the flags, each problem one line naming the file and the key."""
+import os
+
+import pytest
+
+import train_gpt2
+from conftest import exit_message
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_sets_defaults_that_flags_override(tmp_path):
+    config = write(tmp_path / "run.toml", 'n_layer = 3\nmax_lr = 1\ndevice = "cpu"\nplan = true\nlog_dir = "x"\n')
+    args = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
+    assert (args.n_layer, args.max_lr, args.device, args.plan, args.log_dir) == (3, 1.0, "cpu", True, "y")
+    assert isinstance(args.max_lr, float)
+    assert args.n_embd == 128 and args.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
+
+
+def test_every_preset_is_a_valid_config():
+    for name in train_gpt2.PRESETS:
+        assert train_gpt2.parse_args(["--preset", name]).preset == name
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("n_layers = 3", "unknown key 'n_layers' (not one of the flags' long names)"),
+    ("preset = 'demo'", "unknown key 'preset'"),
+    ("n_layer = '12'", "n_layer must be an integer, not '12'"),
+    ("n_layer = 1.5", "n_layer must be an integer, not 1.5"),
+    ("n_layer = true", "n_layer must be an integer, not True"),
+    ("max_lr = 'high'", "max_lr must be a number, not 'high'"),
+    ("device = 1", "device must be a string, not 1"),
+    ("plan = 1", "plan must be true or false, not 1"),
+    ("dtype = 'float64'", "dtype must be one of auto, bfloat16, float16, float32, not 'float64'"),
+    ("fault = ['nan@1']", "fault cannot be set in a config file"),
+    ("n_layer = ", "not TOML"),
+])
+def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, expected):
+    config = write(tmp_path / "run.toml", text)
+    message = exit_message(capsys, train_gpt2.main, "--config", config)
+    assert message.split(": error: ", 1)[1].startswith(f"{config}: {expected}"), message
+
+
+def test_a_config_that_is_missing_or_not_a_file_is_one_line(tmp_path, capsys):
+    message = exit_message(capsys, train_gpt2.main, "--config", tmp_path / "none.toml")
+    assert message.endswith(f": error: {tmp_path / 'none.toml'}: cannot read it (No such file or directory) (see --help)")
+    os.mkfifo(tmp_path / "fifo.toml")
+    message = exit_message(capsys, train_gpt2.main, "--config", tmp_path / "fifo.toml")
+    assert message.endswith(f": error: {tmp_path / 'fifo.toml'}: not a regular file (see --help)")
