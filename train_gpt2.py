@@ -124,8 +124,9 @@ def build_parser(add_help=True):
     a("--wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
     a("--wandb_project", default="gpt2-reproduction", help="the wandb project of --wandb")
     a("--tensorboard", action="store_true", help="also log to TensorBoard, in log_dir/tensorboard (needs tensorboard)")
-    a("--fault", action="append", type=parse_fault, default=None, metavar="KIND@STEP[:RANK]",
-      help="for testing recovery: nan (poison the loss), sigterm or sigkill (signal itself) at STEP, on RANK or all")
+    testing = p.add_argument_group("testing", "faults injected on purpose, to test that runs survive them")
+    testing.add_argument("--fault", action="append", type=parse_fault, default=None, metavar="KIND@STEP[:RANK]",
+                         help="nan (poison the loss), sigterm or sigkill (signal itself) at STEP, on RANK or all")
     return p
 
 

@@ -51,3 +51,11 @@ def test_a_config_that_is_missing_or_not_a_file_is_one_line(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo.toml")
     message = exit_message(capsys, train_gpt2.main, "--config", tmp_path / "fifo.toml")
     assert message.endswith(f": error: {tmp_path / 'fifo.toml'}: not a regular file (see --help)")
+
+
+def test_the_testing_flag_has_its_own_group_in_help(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt2.main(["--help"])
+    out = capsys.readouterr().out
+    everyday, testing = out.split("\ntesting:\n")
+    assert "--fault" not in everyday and "--fault KIND@STEP[:RANK]" in testing
