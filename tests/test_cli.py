@@ -57,5 +57,5 @@ def test_the_testing_flag_has_its_own_group_in_help(capsys):
     with pytest.raises(SystemExit):
         train_gpt2.main(["--help"])
     out = capsys.readouterr().out
-    everyday, testing = out.split("\ntesting:\n")
-    assert "--fault" not in everyday and "--fault KIND@STEP[:RANK]" in testing
+    options, testing = out.split("\noptions:\n")[1].split("\ntesting:\n")
+    assert "--fault" not in options and "--fault KIND@STEP[:RANK]" in testing
