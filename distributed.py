@@ -4,6 +4,7 @@ decisions every rank must take alike."""
 import gc
 import importlib
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -100,3 +101,33 @@ def agree(error):
     errors = [e for e in every_rank(error) if e is not None]
     if errors:
         raise RunError(errors[0])
+
+
+class StopSignal:
+    """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
+    to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self.received = None
+        self.group = host_group("signals")
+        self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
+        return self
+
+    def requested(self):
+        """Whether any rank has been asked to stop. Every rank calls it at the same points and
+        gets the same answer: the signal reaches the ranks at different moments."""
+        asked = torch.tensor(float(self.received is not None))
+        if self.group is not None:
+            dist.all_reduce(asked, group=self.group)
+        return bool(asked)
+
+    def __exit__(self, *exc):
+        for sig, handler in zip(self.SIGNALS, self.previous):
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum

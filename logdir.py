@@ -118,9 +118,9 @@ def log_mirrors(args, enabled):
     if not enabled:
         return mirrors
     if args.wandb:
-        run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
+        wandb_run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
                          dir=args.log_dir, config=vars(args))
-        mirrors.append(lambda r: run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
+        mirrors.append(lambda r: wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
     if args.tensorboard:
         writer = SummaryWriter(os.path.join(args.log_dir, "tensorboard"))
 

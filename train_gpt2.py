@@ -324,7 +324,7 @@ def train(args):
     args, t, log = run.args, run.trainable, run.log
     faults = Faults(args.fault, run.rank)
     bad_steps = 0  # non-finite steps in a row
-    with StopSignal() as stop:
+    with distributed.StopSignal() as stop:
         step = run.start_step
         while True:
             last_step = step >= args.max_steps
@@ -637,36 +637,6 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
 
 
 # ----------------------------------------------------------------------------- bookkeeping
-
-class StopSignal:
-    """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
-    to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __enter__(self):
-        self.received = None
-        self.group = distributed.host_group("signals")
-        self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
-        return self
-
-    def requested(self):
-        """Whether any rank has been asked to stop. Every rank calls it at the same points and
-        gets the same answer: the signal reaches the ranks at different moments."""
-        asked = torch.tensor(float(self.received is not None))
-        if self.group is not None:
-            dist.all_reduce(asked, group=self.group)
-        return bool(asked)
-
-    def __exit__(self, *exc):
-        for sig, handler in zip(self.SIGNALS, self.previous):
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.received == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signum
-
 
 class Faults:
     """Faults injected on purpose (--fault), to test that runs survive them."""
