@@ -1,5 +1,7 @@
 """Shared test fixtures: tiny models and the repository root. Everything runs offline."""
+import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -162,3 +164,179 @@ def file_size_limit(limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     return apply
+
+
+# The tiny training run of train_gpt2.py that the trainer's tests share.
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
+        "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
+        "--compile", "0", "--device", "cpu", "--dtype", "float32", "--eval_interval", "0"]
+TINY_CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """write_token_shards' default shards, written once per test module; returns their directory."""
+    directory = tmp_path_factory.mktemp("shards")
+    write_token_shards(directory)
+    return str(directory)
+
+
+def train(data_dir, log_dir, *flags):
+    """train_gpt2.main(TINY + flags) in-process; returns the records of its log.jsonl."""
+    import train_gpt2
+
+    train_gpt2.main(TINY + ["--data_dir", data_dir, "--log_dir", str(log_dir), *map(str, flags)])
+    return read_log(log_dir)
+
+
+def read_log(log_dir):
+    with open(os.path.join(log_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_records(records):
+    return [r for r in records if "train_loss" in r]
+
+
+def final_weights(log_dir, step):
+    from checkpoint import load_checkpoint
+
+    return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt"))["model"]
+
+
+def assert_same_run(a, b, rel=1e-5):
+    a, b = train_records(a), train_records(b)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["train_loss"] for r in a] == pytest.approx([r["train_loss"] for r in b], rel=rel)
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=100 * rel)
+
+
+def run_cli(*flags):
+    """train_gpt2.py TINY flags, as a user runs it."""
+    return run_script("train_gpt2.py", *TINY, *flags)
+
+
+def one_line_error(result):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def error_of(capsys, *flags):
+    """The one line on stderr with which train_gpt2.main(TINY + flags) exits non-zero, in-process."""
+    import train_gpt2
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.main(TINY + [str(f) for f in flags])
+    assert exit_info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+COMPILED_TRAIN = """
+import functools, sys
+import torch
+sys.path.insert(0, {repo!r})
+# torch.compile's wrapper (and its _orig_mod. prefix) without inductor's minutes of C++ builds on a CPU.
+torch.compile = functools.partial(torch.compile, backend="eager")
+import train_gpt2
+real_build = train_gpt2.build_trainable
+
+
+def build_trainable(*args, **kwargs):
+    t = real_build(*args, **kwargs)
+    print(f"the step runs through {{type(t.model).__name__}} of {{type(getattr(t.model, '_orig_mod', None)).__name__}}")
+    return t
+train_gpt2.build_trainable = build_trainable
+train_gpt2.main()
+"""
+
+
+# Hand-written in HellaSwag's format, of mixed lengths, labels as ints and as digit strings.
+EXAMPLES = [
+    {"ind": 1, "activity_label": "Baking bread", "ctx_a": "A woman kneads dough on a floured counter.",
+     "ctx_b": "she", "ctx": "A woman kneads dough on a floured counter. she", "split": "val",
+     "split_type": "indomain", "label": 2, "source_id": "handwritten-1",
+     "endings": ["throws the dough at the ceiling fan.", "sings.",
+                 "shapes it into a round loaf and sets it in a tin to rise.", "paints the dough blue with a small brush."]},
+    {"ind": 2, "activity_label": "Riding a bike", "ctx_a": "A boy pushes his bicycle up a steep hill.",
+     "ctx_b": "he", "ctx": "A boy pushes his bicycle up a steep hill. he", "split": "val",
+     "split_type": "indomain", "label": "0", "source_id": "handwritten-2",
+     "endings": ["reaches the top, climbs on and rolls down the other side.", "eats the handlebars.",
+                 "turns into a bird.", "is underwater."]},
+    {"ind": 3, "activity_label": "Home and Garden",
+     "ctx_a": "[header] How to repot a houseplant [title] Choose a new pot. [step] Pick a pot one size larger "
+              "than the old one, with a drainage hole in the bottom so that water does not collect around the roots.",
+     "ctx_b": "", "ctx": "[header] How to repot a houseplant [title] Choose a new pot. [step] Pick a pot one size larger "
+                         "than the old one, with a drainage hole in the bottom so that water does not collect around the roots.",
+     "split": "val", "split_type": "zeroshot", "label": 1, "source_id": "handwritten-3",
+     "endings": ["[title] Fill the pot with sand and leave it in the freezer overnight.",
+                 "[title] Loosen the plant from its old pot. [step] Tip the pot on its side and ease the root ball out.",
+                 "Plants do not like pots.", "[title] Water the ceiling."]},
+    {"ind": 4, "activity_label": "Swimming", "ctx_a": "A swimmer dives into the pool.", "ctx_b": "",
+     "ctx": "A swimmer dives into the pool.", "split": "val", "split_type": "indomain", "label": "3",
+     "source_id": "handwritten-4",
+     "endings": ["She flies.", "The pool is a desert.", "He eats a sandwich on the diving board while it rains upwards.",
+                 "She swims two lengths and climbs out."]},
+    {"ind": 5, "activity_label": "Tennis", "ctx_a": "Two players stand on a clay court.", "ctx_b": "the first",
+     "ctx": "Two players stand on a clay court. the first", "split": "val", "split_type": "indomain",
+     "label": 0, "source_id": "handwritten-5",
+     "endings": ["serves the ball over the net.", "player", "knits a scarf.", "falls asleep standing up in the sun."]},
+]
+
+
+def write_jsonl(path, lines):
+    """lines: dicts (written as JSON) or raw strings."""
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return str(path)
+
+
+# Documents for fineweb.py's corpora: empty, non-ASCII, with a literal <|endoftext|>, long.
+DOCS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "",  # an empty document is still its <|endoftext|>
+    "héllo wörld, naïve café 🙂 — 日本語",
+    "a literal <|endoftext|> in a document is ordinary text",
+    "  spaces\n\n\n and newlines  \n",
+    "All: Speak, speak. " * 40,  # long enough to span several tiny shards
+]
+
+
+def write_docs_jsonl(path, docs, field="text"):
+    """docs as fineweb.py reads a .jsonl corpus: one {"id": i, field: doc} a line."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": i, field: doc}) + "\n" for i, doc in enumerate(docs))
+    return str(path)
+
+
+class WritesAFile:
+    """A pickle that, unpickled by a trusting loader, creates a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def read_metadata(path):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)  # the test's own file: trusted
+
+
+def declare_bytes(ckpt, key, payload_file):
+    """Rewrites ckpt's .metadata (only DCP's own classes) so that its entry key is a bytes item
+    stored in payload_file, which holds a pickle that would create a marker file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = read_metadata(ckpt)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(os.path.basename(payload_file), 0,
+                                                             os.path.getsize(payload_file))
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)

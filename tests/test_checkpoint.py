@@ -9,26 +9,16 @@ import sys
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import checkpoint
 import export_hf
 import hellaswag
 import sample
-from conftest import REPO, exit_message, write_token_shards
+from conftest import (EXAMPLES, REPO, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
+                      train, write_jsonl)
 from model import GPT, GPTConfig
-from test_hellaswag import EXAMPLES, write_jsonl
-from test_train import TINY_CONFIG, assert_same_run, error_of, read_log, train
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shards")
-    write_token_shards(directory)
-    return str(directory)
 
 
 def as_sharded(one_file, directory):
@@ -68,32 +58,6 @@ def stack_global_call(module, name, arg):
         b = s.encode()
         return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
     return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
-
-
-class WritesAFile:
-    """A pickle that, unpickled by a trusting loader, creates a file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return open, (self.marker, "w")
-
-
-def read_metadata(path):
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        return pickle.load(f)  # the test's own file: trusted
-
-
-def declare_bytes(ckpt, key, payload_file):
-    """Rewrites ckpt's .metadata (only DCP's own classes) so that its entry key is a bytes item
-    stored in payload_file, which holds a pickle that would create a marker file."""
-    metadata = read_metadata(ckpt)
-    metadata.state_dict_metadata[key] = BytesStorageMetadata()
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(os.path.basename(payload_file), 0,
-                                                             os.path.getsize(payload_file))
-    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
-        pickle.dump(metadata, f)
 
 
 def readers(ckpt, tmp_path):

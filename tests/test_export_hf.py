@@ -214,7 +214,7 @@ def damage(directory, kind):
 def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_dir, tmp_path, capsys, kind, expected):
     import hellaswag
     import sample
-    from test_hellaswag import EXAMPLES, write_jsonl
+    from conftest import EXAMPLES, write_jsonl
 
     directory = tmp_path / "damaged"
     shutil.copytree(hf_gpt2_dir[1], directory)

@@ -14,21 +14,11 @@ import pytest
 
 import fineweb
 from bench import baseline_tokenize
-from conftest import REPO, listdir, run_script
+from conftest import DOCS, REPO, listdir, run_script, write_docs_jsonl
 from data import Shard, shard_name
 from tokenizer import EOT, get_encoding
 
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare.txt")
-DOCS = [
-    "First Citizen:\nBefore we proceed any further, hear me speak.",
-    "",  # an empty document is still its <|endoftext|>
-    "héllo wörld, naïve café 🙂 — 日本語",
-    "a literal <|endoftext|> in a document is ordinary text",
-    "  spaces\n\n\n and newlines  \n",
-    "All: Speak, speak. " * 40,  # long enough to span several tiny shards
-]
-
-
 def stream_of(docs):
     """The token stream computed independently: <|endoftext|> then the document, for each one."""
     enc = get_encoding()
@@ -50,12 +40,6 @@ def check_shards(out, prefix, shard_size, docs):
     assert all(len(s) == shard_size for s in shards[:-1]) and 0 < len(shards[-1]) <= shard_size
     assert np.concatenate(shards).tolist() == stream_of(docs)
     return shards
-
-
-def write_jsonl(path, docs, field="text"):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"id": i, field: doc}) + "\n" for i, doc in enumerate(docs))
-    return str(path)
 
 
 def write_parquet(path, docs, field="text"):
@@ -89,7 +73,7 @@ def test_tinyshakespeare_starts_with_gpt2_ids():
 
 @pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
 def test_round_trip(tmp_path, fmt):
-    write = {"jsonl": lambda: write_jsonl(tmp_path / "c.jsonl", DOCS), "txt": lambda: write_txt_dir(tmp_path / "c", DOCS),
+    write = {"jsonl": lambda: write_docs_jsonl(tmp_path / "c.jsonl", DOCS), "txt": lambda: write_txt_dir(tmp_path / "c", DOCS),
              "parquet": lambda: write_parquet(tmp_path / "c.parquet", DOCS)}[fmt]
     summary = fineweb.shard_local_files(write(), str(tmp_path / "out"), "tiny", 7)
     shards = check_shards(tmp_path / "out", "tiny", 7, DOCS)
@@ -101,7 +85,7 @@ def test_round_trip(tmp_path, fmt):
 def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    write_jsonl(corpus / "b.jsonl", ["b1", "b2"])
+    write_docs_jsonl(corpus / "b.jsonl", ["b1", "b2"])
     (corpus / "a.txt").write_text("a", encoding="utf-8")
     write_parquet(corpus / "c.parquet", ["c1"])
     (corpus / "notes.md").write_text("not a corpus file", encoding="utf-8")
@@ -120,7 +104,7 @@ def test_a_txt_file_is_its_text_as_is(tmp_path):
 def test_num_proc_1_and_2_write_identical_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 200)  # many chunks, so two workers interleave
     docs = shakespeare_speeches(20_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     for num_proc in (1, 2):
         fineweb.shard_local_files(corpus, str(tmp_path / f"p{num_proc}"), "s", 500, num_proc=num_proc)
     one, two = check_shards(tmp_path / "p1", "s", 500, docs), check_shards(tmp_path / "p2", "s", 500, docs)
@@ -141,7 +125,7 @@ def test_cli_under_spawn_and_forkserver_matches_fork(tmp_path, method):
     site.mkdir()
     (site / "sitecustomize.py").write_text(f"import multiprocessing\nmultiprocessing.set_start_method({method!r}, force=True)\n")
     docs = shakespeare_speeches()  # 1.1 MB: two chunks, one to each worker
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     args = ["--input", corpus, "--shard_size", 50_000, "--num_proc", 2, "--prefix", "s"]
     result = run_cli(*args, "--output_dir", tmp_path / method, env={"PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr
@@ -180,7 +164,7 @@ def bad_inputs(tmp):
     pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff\xfe"], type=pa.binary()).view(pa.string())}),
                    tmp / "latin1.parquet")
     # The bad line comes after more than a chunk of text: shards are written, then removed.
-    late = write_jsonl(tmp / "late.jsonl", shakespeare_speeches() + ["x"])
+    late = write_docs_jsonl(tmp / "late.jsonl", shakespeare_speeches() + ["x"])
     with open(late, "a") as f:
         f.write('{"title": "no text"}\n')
     return {
@@ -220,7 +204,7 @@ def test_token_id_over_uint16_names_the_document(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 1)  # the first documents are sharded before the bad one
     written, real_write_shard = [], fineweb.write_shard
     monkeypatch.setattr(fineweb, "write_shard", lambda path, tokens: (written.append(path), real_write_shard(path, tokens)))
-    corpus = write_jsonl(tmp_path / "c.jsonl", ["ok", "ok", "huge"])
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", ["ok", "ok", "huge"])
     assert fineweb.main(["--input", corpus, "--output_dir", str(tmp_path / "out"), "--shard_size", "2",
                          "--num_proc", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -250,7 +234,7 @@ sys.exit(fineweb.main(sys.argv[1:]))
 
 def test_killed_run_resumes_to_identical_shards(tmp_path):
     docs = shakespeare_speeches(30_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     (tmp_path / "kill.py").write_text(KILL_AT_THIRD_SHARD.format(repo=REPO))
     out = tmp_path / "out"
     args = ["--input", corpus, "--output_dir", out, "--shard_size", 1000, "--num_proc", 1]
@@ -303,7 +287,7 @@ sys.exit(fineweb.main(sys.argv[1:]))
 @pytest.mark.parametrize("shard_size", [1000, 5000])
 def test_a_full_disk_is_one_line_naming_the_shard_and_the_rerun_resumes(tmp_path, shard_size):
     docs = shakespeare_speeches(60_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     (tmp_path / "fill.py").write_text(DISK_FULL_AT_THIRD_SHARD.format(repo=REPO))
     out = tmp_path / "out"
     args = ["--input", corpus, "--output_dir", out, "--shard_size", shard_size, "--num_proc", 1]
@@ -318,7 +302,7 @@ def test_a_full_disk_is_one_line_naming_the_shard_and_the_rerun_resumes(tmp_path
 
 def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch, capsys):
     docs = shakespeare_speeches(10_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     real_write_shard, written = fineweb.write_shard, []
 
     def interrupt_at_second_shard(path, tokens):
@@ -381,7 +365,7 @@ def running(pid):
                                        (signal.SIGTERM, "process")])
 def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path, signum, to):
     docs = shakespeare_speeches(30_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     (tmp_path / "stop.py").write_text(STOP_AT_THIRD_SHARD.format(repo=REPO))
     out = tmp_path / "out"
     args = ["--input", corpus, "--output_dir", out, "--shard_size", 1000, "--num_proc", 2]
@@ -403,7 +387,7 @@ def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path
 
 def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
     docs = shakespeare_speeches(10_000)
-    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     out = tmp_path / "out"
     real_write_shard, written = fineweb.write_shard, []
 
@@ -436,7 +420,7 @@ def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, m
 
 
 def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     before = {name: (out / name).stat().st_mtime_ns for name in listdir(out)}
@@ -453,7 +437,7 @@ def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_
 
 
 def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)
     check_shards(out, "shakes_train_x", 7, DOCS)
@@ -461,7 +445,7 @@ def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
 
 
 def test_a_directory_sharded_into_itself_reruns_as_complete(tmp_path):
-    write_jsonl(tmp_path / "c.jsonl", DOCS)
+    write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     first = fineweb.shard_local_files(str(tmp_path), str(tmp_path), "tiny", 7)
     # Its manifest, written there, is not read back as an input: the rerun is the same run.
     assert first["documents"] == len(DOCS)
@@ -469,7 +453,7 @@ def test_a_directory_sharded_into_itself_reruns_as_complete(tmp_path):
 
 
 def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     np.save(foreign / "edufineweb_val_000000.npy", np.zeros(7, dtype=np.uint16))
@@ -484,7 +468,7 @@ def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
 
 @pytest.mark.parametrize("text", ["[]", '"x"', "null", '{"run": 5}', '{"run": {}, "shards": 1, "document": 0}'])
 def test_a_manifest_that_is_json_but_not_ours_is_unreadable(tmp_path, text):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
     (out / fineweb.MANIFEST).write_text(text)
@@ -497,7 +481,7 @@ def test_hugging_face_dataset_path(tmp_path):
     """The hub code path (load_dataset, the text column, batches), on a local folder: no network."""
     hub = tmp_path / "hub"
     hub.mkdir()
-    write_jsonl(hub / "part.jsonl", DOCS)
+    write_docs_jsonl(hub / "part.jsonl", DOCS)
     out = tmp_path / "out"
     result = run_cli("--dataset", hub, "--output_dir", out, "--shard_size", 7, "--num_proc", 1,
                      env={"HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
@@ -523,7 +507,7 @@ def test_cli_values_and_flag_combinations(capsys):
 
 def test_blank_lines_in_jsonl_are_skipped(tmp_path):
     corpus = tmp_path / "c.jsonl"
-    write_jsonl(corpus, DOCS[:3])
+    write_docs_jsonl(corpus, DOCS[:3])
     lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
     corpus.write_text("\n" + lines[0] + "\n  \n" + "".join(lines[1:]) + "\n", encoding="utf-8")
     summary = fineweb.shard_local_files(str(corpus), str(tmp_path / "out"), "t", 7)
@@ -535,7 +519,7 @@ def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     hub = tmp_path / "hub"
     hub.mkdir()
-    write_jsonl(hub / "part.jsonl", DOCS)
+    write_docs_jsonl(hub / "part.jsonl", DOCS)
     docs = list(fineweb.hub_documents(str(hub), None, "train", "text", False, skip=2))
     assert docs == [(text, f"{hub} row {row}") for row, text in enumerate(DOCS) if row >= 2]
 
@@ -543,7 +527,7 @@ def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
 def test_a_killed_run_leaves_no_live_workers(tmp_path):
     """SIGKILL (or the OOM killer) gives the main process no chance to shut its pool down: the
     kernel kills the workers with it."""
-    corpus = write_jsonl(tmp_path / "c.jsonl", shakespeare_speeches(30_000))
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", shakespeare_speeches(30_000))
     (tmp_path / "stop.py").write_text(STOP_AT_THIRD_SHARD.format(repo=REPO))
     args = ["--input", corpus, "--output_dir", tmp_path / "out", "--shard_size", 1000, "--num_proc", 2]
     with open(tmp_path / "stdout", "w") as stdout:
@@ -579,7 +563,7 @@ def test_a_fifo_among_the_inputs_is_refused_without_waiting_for_a_writer(tmp_pat
 
 
 def test_a_shard_size_beyond_memory_is_refused_before_anything_is_written(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--shard_size", 10**13)
     one_line_error(result, "a shard of 10,000,000,000,000 tokens needs")
     assert not (tmp_path / "out").exists()
@@ -592,7 +576,7 @@ def test_a_shard_size_beyond_memory_is_refused_before_anything_is_written(tmp_pa
     ({"complete": "yes"}, 'complete is "yes"'), ({"documents": 99}, "a document count that disagrees"),
 ])
 def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_path, progress, problem):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     manifest = json.loads((out / fineweb.MANIFEST).read_text())
@@ -604,7 +588,7 @@ def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_pat
 
 
 def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     manifest = json.loads((out / fineweb.MANIFEST).read_text())
@@ -629,7 +613,7 @@ def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_p
 ])
 def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_nothing(tmp_path, capsys, progress,
                                                                                   problem):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     manifest = json.loads((out / fineweb.MANIFEST).read_text())
@@ -646,7 +630,7 @@ def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_noth
 
 
 def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     fineweb.shard_local_files(corpus, str(out), "tiny", 7)
     manifest = json.loads((out / fineweb.MANIFEST).read_text())

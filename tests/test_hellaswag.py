@@ -11,51 +11,10 @@ from torch.nn import functional as F
 
 import hellaswag
 from checkpoint import load_model
-from conftest import disk_full, exit_message, make_hf_gpt2, run_script
+from conftest import EXAMPLES, disk_full, exit_message, make_hf_gpt2, run_script, write_jsonl
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, get_encoding
-
-# Hand-written in HellaSwag's format, of mixed lengths, labels as ints and as digit strings.
-EXAMPLES = [
-    {"ind": 1, "activity_label": "Baking bread", "ctx_a": "A woman kneads dough on a floured counter.",
-     "ctx_b": "she", "ctx": "A woman kneads dough on a floured counter. she", "split": "val",
-     "split_type": "indomain", "label": 2, "source_id": "handwritten-1",
-     "endings": ["throws the dough at the ceiling fan.", "sings.",
-                 "shapes it into a round loaf and sets it in a tin to rise.", "paints the dough blue with a small brush."]},
-    {"ind": 2, "activity_label": "Riding a bike", "ctx_a": "A boy pushes his bicycle up a steep hill.",
-     "ctx_b": "he", "ctx": "A boy pushes his bicycle up a steep hill. he", "split": "val",
-     "split_type": "indomain", "label": "0", "source_id": "handwritten-2",
-     "endings": ["reaches the top, climbs on and rolls down the other side.", "eats the handlebars.",
-                 "turns into a bird.", "is underwater."]},
-    {"ind": 3, "activity_label": "Home and Garden",
-     "ctx_a": "[header] How to repot a houseplant [title] Choose a new pot. [step] Pick a pot one size larger "
-              "than the old one, with a drainage hole in the bottom so that water does not collect around the roots.",
-     "ctx_b": "", "ctx": "[header] How to repot a houseplant [title] Choose a new pot. [step] Pick a pot one size larger "
-                         "than the old one, with a drainage hole in the bottom so that water does not collect around the roots.",
-     "split": "val", "split_type": "zeroshot", "label": 1, "source_id": "handwritten-3",
-     "endings": ["[title] Fill the pot with sand and leave it in the freezer overnight.",
-                 "[title] Loosen the plant from its old pot. [step] Tip the pot on its side and ease the root ball out.",
-                 "Plants do not like pots.", "[title] Water the ceiling."]},
-    {"ind": 4, "activity_label": "Swimming", "ctx_a": "A swimmer dives into the pool.", "ctx_b": "",
-     "ctx": "A swimmer dives into the pool.", "split": "val", "split_type": "indomain", "label": "3",
-     "source_id": "handwritten-4",
-     "endings": ["She flies.", "The pool is a desert.", "He eats a sandwich on the diving board while it rains upwards.",
-                 "She swims two lengths and climbs out."]},
-    {"ind": 5, "activity_label": "Tennis", "ctx_a": "Two players stand on a clay court.", "ctx_b": "the first",
-     "ctx": "Two players stand on a clay court. the first", "split": "val", "split_type": "indomain",
-     "label": 0, "source_id": "handwritten-5",
-     "endings": ["serves the ball over the net.", "player", "knits a scarf.", "falls asleep standing up in the sun."]},
-]
-
-
-def write_jsonl(path, lines):
-    """lines: dicts (written as JSON) or raw strings."""
-    with open(path, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory):

@@ -1,5 +1,6 @@
-"""--fsdp 1 on CPU with gloo: FSDP2 training equals one process, the meta-device init equals the
-eager one, and sharded checkpoints resume exactly on the same and on other numbers of ranks."""
+"""sharding.py, through --fsdp 1 on CPU with gloo: FSDP2 training equals one process, the
+meta-device init equals the eager one, and sharded checkpoints resume exactly on the same and on
+other numbers of ranks."""
 import json
 import os
 import pickle
@@ -10,19 +11,10 @@ import torch
 
 import checkpoint
 import hellaswag
-from conftest import REPO, exit_message, listdir, run_torchrun
-from test_hellaswag import EXAMPLES, write_jsonl
-from test_train import COMPILED_TRAIN, TINY, assert_same_run, read_log, train, train_records
+from conftest import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
+                      exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from conftest import write_token_shards
-    directory = tmp_path_factory.mktemp("shards")
-    write_token_shards(directory)
-    return str(directory)
 
 
 def torchrun(*flags, nproc=2):
@@ -186,7 +178,6 @@ def test_sharded_checkpoint_errors_are_one_line_and_run_nothing(evaluated_runs, 
 
 
 def test_fsdp_needs_torchrun_and_async_checkpoints_need_fsdp(shards, tmp_path, capsys):
-    from test_train import error_of
     assert "--fsdp 1 shards over the ranks of torchrun" in error_of(capsys, "--data_dir", shards, "--log_dir",
                                                                     tmp_path, "--fsdp", "1")
     assert "--async_checkpoint writes sharded checkpoints: it needs --fsdp 1" in error_of(
@@ -205,7 +196,6 @@ def test_a_one_file_checkpoint_resumes_under_fsdp(shards, tmp_path):
 def test_a_crafted_sharded_checkpoint_runs_nothing_when_resumed_under_fsdp(shards, evaluated_runs, tmp_path):
     """Two ranks resume from a checkpoint whose .metadata declares a weight a "bytes" item stored
     in a pickle that would create a file: both refuse it before reading, and the run stops in one line."""
-    from test_checkpoint import WritesAFile, declare_bytes
     _, (fsdp_dir, _), _ = evaluated_runs
     crafted = tmp_path / "ckpt_000002"
     shutil.copytree(fsdp_dir / "ckpt_000002", crafted)

@@ -1,8 +1,10 @@
-"""One writer per directory, and faults that must be one line: a second trainer on a log_dir or a
-second fineweb.py on an output_dir is refused, naming the first; the kernel frees the lock
-however the first ends. A .lock that is not a regular file we can write (a symlink, a directory,
-a FIFO, on a read-only file system) is refused and left as it was. Shards that are not regular
-files or shrink under the loader, an export onto a full disk and a second Ctrl-C stop in one line."""
+"""atomic.py: atomic_open syncs before it renames, check_writable leaves nothing behind, and
+claim_directory keeps one writer per directory, as the scripts use it. Faults that must be one
+line: a second trainer on a log_dir or a second fineweb.py on an output_dir is refused, naming
+the first; the kernel frees the lock however the first ends. A .lock that is not a regular file
+we can write (a symlink, a directory, a FIFO, on a read-only file system) is refused and left as
+it was. Shards that are not regular files or shrink under the loader, an export onto a full disk
+and a second Ctrl-C stop in one line."""
 import builtins
 import errno
 import os
@@ -14,11 +16,11 @@ import pytest
 
 import fineweb
 import train_gpt2
+import atomic
 from atomic import LOCK_NAME, claim_directory
-from conftest import REPO, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint
+from conftest import (DOCS, REPO, TINY, error_of, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
+                      write_docs_jsonl)
 from data import Shard, ShardError, write_shard
-from test_fineweb import DOCS, write_jsonl
-from test_train import TINY, error_of
 
 
 def test_a_second_trainer_on_a_log_dir_is_refused_naming_the_first(tmp_path, capsys):
@@ -34,7 +36,7 @@ def test_a_second_trainer_on_a_log_dir_is_refused_naming_the_first(tmp_path, cap
 
 
 def test_a_second_fineweb_on_an_output_dir_is_refused_and_writes_nothing(tmp_path):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
     with claim_directory(str(out), "fineweb.py"):
@@ -101,7 +103,7 @@ def test_a_lock_that_is_not_a_regular_file_stops_the_trainer_in_one_line_touchin
 
 @pytest.mark.parametrize("kind", NOT_A_FILE)
 def test_a_lock_that_is_not_a_regular_file_stops_fineweb_in_one_line_touching_nothing(tmp_path, capsys, kind):
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
     out.mkdir()
     before = make_bad_lock(out, kind, tmp_path)
@@ -132,7 +134,7 @@ def test_a_log_dir_or_output_dir_that_cannot_be_written_is_one_line(tmp_path, mo
     log_dir, out = tmp_path / "log", tmp_path / "out"
     log_dir.mkdir()
     out.mkdir()
-    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     refuse_the_lock(monkeypatch, code)
     message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir)
     assert message == f"error: --log_dir {log_dir}: cannot write its lock file .lock ({os.strerror(code)})"
@@ -183,3 +185,24 @@ def test_a_second_ctrl_c_is_one_line_and_exit_code_130(tmp_path, monkeypatch, ca
     assert exit_info.value.code == 130
     assert capsys.readouterr().err == ("error: interrupted again: stopped without a checkpoint; "
                                        "`--resume auto` continues from the newest\n")
+
+
+def test_atomic_open_syncs_the_file_before_renaming_it(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.bin")
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append((os.fstat(fd).st_size, os.path.exists(path)))
+        real_fsync(fd)
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    with atomic.atomic_open(path) as f:
+        f.write(b"12345")
+    assert synced == [(5, False)] and os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_check_writable_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "new" / "out.json"
+    atomic.check_writable(str(path))
+    assert os.listdir(tmp_path / "new") == []
+    with pytest.raises(IsADirectoryError):
+        atomic.check_writable(str(tmp_path / "new"))

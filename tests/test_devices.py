@@ -1,0 +1,38 @@
+"""devices.py: the device each process takes, the dtype --dtype auto picks, and the peak FLOPS
+that MFU is measured against."""
+import pytest
+import torch
+
+import devices
+
+
+def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch):
+    tried = []
+    monkeypatch.setattr(devices.torch, "empty", lambda *shape, device: tried.append(device))
+    assert devices.pick_device("cuda", local_rank=3) == "cuda:3" and tried == ["cuda:3"]
+    assert devices.pick_device("cuda:3", local_rank=3) == "cuda:3"
+    with pytest.raises(ValueError, match=r"under torchrun each process takes cuda:LOCAL_RANK \(here cuda:3\)"):
+        devices.pick_device("cuda:1", local_rank=3)
+    assert devices.pick_device("cuda:1") == "cuda:1" and devices.pick_device("cuda") == "cuda:0"  # one process: any
+
+
+def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):
+    from devices import pick_dtype
+    for capability, dtype in [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                              ((9, 0), torch.bfloat16)]:  # V100, T4: bf16 is only emulated there
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert pick_dtype("auto", "cuda") == dtype
+    assert pick_dtype("auto", "cpu") == pick_dtype("auto", "mps") == torch.float32
+    assert pick_dtype("float16", "cpu") == torch.float16
+
+
+def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
+    from devices import peak_flops
+    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+             "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
+             "NVIDIA L4": 121e12, "NVIDIA A10": 125e12, "NVIDIA GeForce RTX 4090": 165e12,
+             "NVIDIA RTX A1000": None, "NVIDIA A10G": None, "Tesla V100-SXM2-16GB": None}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        assert peak_flops("cuda:0") == peak, name
+    assert peak_flops("cpu") is None
