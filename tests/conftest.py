@@ -127,12 +127,12 @@ def disk_full(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
-def run_script(script, *args, cwd=REPO, env=None):
+def run_script(script, *args, cwd=REPO, env=None, timeout=300, preexec_fn=None):
     """Runs one of the repository's scripts (or script, a path) as a user would, offline, with
     env's variables added; returns the CompletedProcess with stdout and stderr as text."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=300)
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, encoding="utf-8", timeout=timeout, preexec_fn=preexec_fn)
 
 
 def exit_message(capsys, main, *argv):
@@ -161,3 +161,19 @@ def file_size_limit(limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     return apply
+
+
+def memory_limit(limit):
+    """A preexec_fn: the child may map no more than limit bytes (ulimit -v), so that a read that
+    never ends fails fast with MemoryError rather than filling this machine's memory."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+def run_bounded(script, *args, cwd=REPO):
+    """run_script for inputs that could hang or fill the memory of a script that reads them
+    unbounded: 60 s and 2 GiB at most, so that a test of such an input fails, never hangs."""
+    return run_script(script, *args, cwd=cwd, timeout=60, preexec_fn=memory_limit(2 << 30))
