@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from atomic import atomic_open
-from cli import Parser, load_model_onto
+from cli import Parser, TextFileError, load_model_onto, read_lines, read_text
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
 
@@ -93,20 +93,42 @@ def early_stopping(text):
 
 
 def read_prompt(prompt):
-    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); OSError or UnicodeDecodeError."""
-    if not prompt.startswith("@"):
-        return prompt
-    with open(prompt[1:], encoding="utf-8", newline="") as f:
-        return f.read()
+    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); cli.read_text's errors."""
+    return read_text(prompt[1:]) if prompt.startswith("@") else prompt
 
 
 def read_prompts(path):
-    """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends the last."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
+    """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends
+    the last. cli.read_lines's errors, and ValueError for an empty file."""
+    prompts = [line for _, line in read_lines(path)]
+    if not prompts:
         raise ValueError("the file is empty (one prompt a line)")
-    return text.removesuffix("\n").split("\n")
+    return prompts
+
+
+def encode_prompt(prompt):
+    """A prompt's ids: it may hold <|endoftext|> to separate documents; an empty one starts a new document."""
+    return get_encoding().encode(prompt, allowed_special="all") or [EOT]
+
+
+def load_prompts(parser, flag, value):
+    """The prompts of --prompts FILE or --prompt, or a one-line exit naming the file (and line)."""
+    try:
+        return read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
+    except TextFileError as e:  # it names the file, and the line
+        parser.fail(f"{flag} {'@' * (flag == '--prompt')}{e}")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        parser.fail(f"{flag} {value}: {e}")
+
+
+def check_lengths(parser, flag, value, lengths, block_size):
+    """A one-line exit at the first prompt of more tokens (lengths) than block_size: the model
+    could never read it whole, its start would be dropped unseen."""
+    for i, n in enumerate(lengths):
+        if n > block_size:
+            where = (f"--prompts {value} line {i + 1}" if flag == "--prompts"
+                     else f"--prompt {value}" if value.startswith("@") else "--prompt")
+            parser.fail(f"{where}: a prompt of {n:,} tokens, longer than the model's context (block_size {block_size:,})")
 
 
 def print_result(i, n_prompts, prompt, texts, kind):
@@ -123,15 +145,12 @@ def main(argv=None):
     args = parse_args(parser, argv)
     config = args.config
     flag, value = ("--prompts", args.prompts) if args.prompts is not None else ("--prompt", args.prompt)
-    try:
-        prompts = read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        parser.fail(f"{flag} {value}: {e}")
+    prompts = load_prompts(parser, flag, value)
     model, device = load_model_onto(parser, args.model, args.device)
 
     enc = get_encoding()
-    # A prompt may hold <|endoftext|> to separate documents; an empty one starts a new document.
-    prompt_ids = [enc.encode(prompt, allowed_special="all") or [EOT] for prompt in prompts]
+    prompt_ids = [encode_prompt(prompt) for prompt in prompts]
+    check_lengths(parser, flag, value, list(map(len, prompt_ids)), model.config.block_size)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # printed, so a run can be repeated
     # One generator a prompt: its samples are the same in any batch as alone (with its seed).
     generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(len(prompts))]

@@ -177,3 +177,15 @@ def run_bounded(script, *args, cwd=REPO):
     """run_script for inputs that could hang or fill the memory of a script that reads them
     unbounded: 60 s and 2 GiB at most, so that a test of such an input fails, never hangs."""
     return run_script(script, *args, cwd=cwd, timeout=60, preexec_fn=memory_limit(2 << 30))
+
+
+def never_ending_inputs(tmp_path):
+    """{name: path} of inputs that a read without bounds never finishes: a device that never ends,
+    a FIFO that no one writes (open() waits), a directory, and a 4 GiB file of one line (sparse:
+    it takes no disk)."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    with open(tmp_path / "huge", "wb") as f:
+        f.truncate(4 << 30)
+    return {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "dir"),
+            "huge": str(tmp_path / "huge")}

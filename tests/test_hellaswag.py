@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import hellaswag
 from checkpoint import load_model
 from cli import MAX_LINE_CHARS
-from conftest import disk_full, exit_message, make_hf_gpt2, run_bounded, run_script
+from conftest import disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, get_encoding
@@ -389,18 +389,6 @@ def test_blank_lines_are_skipped(tmp_path):
     path = tmp_path / "blank.jsonl"
     path.write_text("\n" + json.dumps(EXAMPLES[0]) + "\n\n" + json.dumps(EXAMPLES[1]) + "\n  \n", encoding="utf-8")
     assert [e["label"] for e in read_examples(str(path))] == [2, 0]
-
-
-def never_ending_inputs(tmp_path):
-    """{name: path} of inputs that a read without bounds never finishes: a device that never ends,
-    a FIFO that no one writes (open() waits), a directory, and a 4 GiB file of one line (sparse:
-    it takes no disk)."""
-    os.mkfifo(tmp_path / "fifo")
-    (tmp_path / "dir").mkdir()
-    with open(tmp_path / "huge", "wb") as f:
-        f.truncate(4 << 30)
-    return {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "dir"),
-            "huge": str(tmp_path / "huge")}
 
 
 @pytest.mark.parametrize("name, why", [("/dev/zero", ": a device, not a regular file"),

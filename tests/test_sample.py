@@ -7,7 +7,8 @@ import torch
 
 import generate
 import sample
-from conftest import disk_full, exit_message, make_eot_gpt, make_tiny_gpt, run_script, save_as_checkpoint
+from conftest import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
+                      save_as_checkpoint)
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 PROMPT = "Once upon a time, ünïcödé"
@@ -224,3 +225,39 @@ def test_bad_prompt_files_and_flags_are_one_line_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             sample.main(flags)
         assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, name, why", [
+    ("--prompts ", "/dev/zero", ": a device, not a regular file"),
+    ("--prompts ", "fifo", ": a FIFO, not a regular file"),
+    ("--prompts ", "dir", ": a directory, not a regular file"),
+    ("--prompts ", "huge", " line 1: more than 524,288 characters"),
+    ("--prompt @", "/dev/zero", ": a device, not a regular file"),
+    ("--prompt @", "fifo", ": a FIFO, not a regular file"),
+    ("--prompt @", "huge", ": more than 524,288 characters"),
+])
+def test_prompts_that_never_end_are_refused_in_one_line(tmp_path, flag, name, why):
+    # Read before the model is loaded: the default gpt2, not on this machine, is never reached.
+    path = never_ending_inputs(tmp_path)[name]
+    proc = run_bounded("sample.py", *f"{flag}{path}".split(" "), "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"sample.py: error: {flag}{path}{why}\n")
+
+
+def test_a_prompt_longer_than_the_context_is_refused_in_one_line(padded, tmp_path, capsys):
+    model, ckpt = padded
+    assert model.config.block_size == 64
+    fits, too_long = "word" + " word" * 63, "word" + " word" * 64  # " word" is one token
+    assert len(get_encoding().encode_ordinary(too_long)) == 65
+    (tmp_path / "prompts.txt").write_text(f"Hi\n{fits}\n{too_long}\nHo\n")
+    (tmp_path / "prompt.txt").write_text(too_long)
+    flags = ["--model", ckpt, "--decode", "greedy", "--max_new_tokens", "2", "--device", "cpu"]
+    why = "a prompt of 65 tokens, longer than the model's context (block_size 64)"
+    for prompt, where in [(["--prompts", tmp_path / "prompts.txt"], f"--prompts {tmp_path / 'prompts.txt'} line 3"),
+                          (["--prompt", f"@{tmp_path / 'prompt.txt'}"], f"--prompt @{tmp_path / 'prompt.txt'}"),
+                          (["--prompt", too_long], "--prompt")]:
+        with pytest.raises(SystemExit) as e:
+            sample.main([*flags, *map(str, prompt)])
+        assert (e.value.code, *capsys.readouterr()) == (1, "", f"sample.py: error: {where}: {why}\n")
+    sample.main([*flags, "--prompt", fits])  # a prompt of block_size tokens is read whole
+    new = model.generate(torch.tensor([get_encoding().encode_ordinary(fits)]), 2, temperature=0)[0, 64:].tolist()
+    assert capsys.readouterr().out == fits + get_encoding().decode(new) + "\n"
