@@ -1,5 +1,5 @@
 """Generates text from a model, with Hugging Face's options: sampling, greedy search or beam
-search, for one prompt or a file of them, run as one batch.
+search, for one prompt or a file of them, run --batch_size prompts at a time.
 
     python sample.py --model log/ckpt_019073.pt --prompt "Hello, I'm a language model,"
     python sample.py --model gpt2 --prompt @prompt.txt --num_return_sequences 1 --top_p 0.9
@@ -33,7 +33,7 @@ def make_parser():
     prompt.add_argument("--prompt", default="Hello, I'm a language model,",
                         help="the text to continue, or @FILE to read it from FILE; empty starts a new document")
     prompt.add_argument("--prompts", default=None, metavar="FILE",
-                        help="a file of prompts, one a line, generated as one batch")
+                        help="a file of prompts, one a line, generated --batch_size at a time")
     parser.add_argument("--decode", choices=list(DECODE_NAMES), default=None,
                         help="default: beam with --num_beams 2 or more, else sampling")
     parser.add_argument("--num_return_sequences", "--num_samples", type=int, default=None,
@@ -57,6 +57,9 @@ def make_parser():
                         help="end an output at <|endoftext|>")
     parser.add_argument("--seed", type=int, default=None,
                         help="the same seed gives the same samples; prompt i (from 0) of --prompts uses seed + i")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="prompts generated at once, each as num_return_sequences rows (num_beams in beam "
+                             "search); bounds memory, changes no result (default: 16)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto: the best available")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the settings and results here")
     return parser
@@ -64,6 +67,8 @@ def make_parser():
 
 def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch_size must be at least 1")
     if args.top_k < 0:
         parser.error("--top_k must be 0 (no limit) or more")
     if args.seed is not None and not 0 <= args.seed < 2**64:  # torch's seeds are 64-bit
@@ -131,6 +136,19 @@ def check_lengths(parser, flag, value, lengths, block_size):
             parser.fail(f"{where}: a prompt of {n:,} tokens, longer than the model's context (block_size {block_size:,})")
 
 
+def generate_batches(model, prompts, config, seed, batch_size, device):
+    """Yields (i, outputs) for every prompt i, as generate_stream does for one batch, but runs
+    batch_size prompts at a time, in input order: memory is bounded by the batch, not the file.
+    Prompt i samples from its own generator, seeded seed + i, so its outputs are the same
+    whichever prompts share its batch (greedy and beam search are so in any case)."""
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start: start + batch_size]
+        idx, n_pad = left_pad([encode_prompt(prompt) for prompt in batch], EOT, device)
+        generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(start, start + len(batch))]
+        for i, outputs in generate_stream(model, idx, config, n_pad, generators):
+            yield start + i, outputs
+
+
 def print_result(i, n_prompts, prompt, texts, kind):
     """Prompt i's texts, each after the prompt, under a header where there are several."""
     for j, text in enumerate(texts):
@@ -149,24 +167,22 @@ def main(argv=None):
     model, device = load_model_onto(parser, args.model, args.device)
 
     enc = get_encoding()
-    prompt_ids = [encode_prompt(prompt) for prompt in prompts]
-    check_lengths(parser, flag, value, list(map(len, prompt_ids)), model.config.block_size)
+    # Only the lengths are kept: as Python ints, every prompt's ids at once could take gigabytes.
+    lengths = [len(encode_prompt(prompt)) for prompt in prompts]
+    check_lengths(parser, flag, value, lengths, model.config.block_size)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # printed, so a run can be repeated
-    # One generator a prompt: its samples are the same in any batch as alone (with its seed).
-    generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(len(prompts))]
     n_params = sum(p.numel() for p in model.parameters())
-    lengths = sorted(map(len, prompt_ids))
-    tokens = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    tokens = f"{min(lengths)}" if min(lengths) == max(lengths) else f"{min(lengths)}-{max(lengths)}"
     print(f"{args.model}: {n_params / 1e6:.1f}M parameters on {device}, {len(prompts)} prompt(s) of {tokens} tokens, "
           f"{config.decode}, seed {seed}", file=sys.stderr)
 
-    idx, n_pad = left_pad(prompt_ids, EOT, device)
-    results = [None] * len(prompts)
-    for i, outputs in generate_stream(model, idx, config, n_pad, generators):
+    results = [None] * len(prompts)  # kept for --json only
+    for i, outputs in generate_batches(model, prompts, config, seed, args.batch_size, device):
         # The text is what the model wrote: without the <|endoftext|> that ended it (the ids keep it).
         texts = [enc.decode(ids[:-1] if config.eos_token_id is not None and ids[-1] == EOT else ids) for ids in outputs]
         print_result(i, len(prompts), prompts[i], texts, "beam" if config.decode == "beam" else "sample")
-        results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
+        if args.json:
+            results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
     if args.json:
         try:
             with atomic_open(args.json, "w") as f:

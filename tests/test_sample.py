@@ -261,3 +261,57 @@ def test_a_prompt_longer_than_the_context_is_refused_in_one_line(padded, tmp_pat
     sample.main([*flags, "--prompt", fits])  # a prompt of block_size tokens is read whole
     new = model.generate(torch.tensor([get_encoding().encode_ordinary(fits)]), 2, temperature=0)[0, 64:].tolist()
     assert capsys.readouterr().out == fits + get_encoding().decode(new) + "\n"
+
+
+def printed_blocks(out):
+    """{header: its texts} of sample.py's output for several prompts, whatever their order."""
+    blocks = {}
+    for line in out.splitlines(keepends=True):
+        if line.startswith("--- prompt "):
+            header = line
+        blocks[header] = blocks.get(header, "") + line
+    return blocks
+
+
+@pytest.mark.parametrize("flags", [
+    ["--num_samples", "2", "--temperature", "0.6", "--top_k", "20", "--top_p", "0.9"],
+    ["--decode", "greedy", "--repetition_penalty", "1.3", "--no_repeat_ngram_size", "2"],
+    ["--decode", "beam_search", "--num_beams", "3", "--num_return_sequences", "2", "--length_penalty", "0.5",
+     "--early_stopping", "never", "--min_new_tokens", "2"],
+])
+def test_prompts_run_batch_size_at_a_time_with_the_results_of_one_batch(eot_model, flags, tmp_path, capsys,
+                                                                         monkeypatch):
+    _, ckpt, prompts_file = eot_model
+    batches = []
+
+    def spy(model, idx, config, n_pad, generators):
+        batches.append(idx.size(0))
+        return generate.generate_stream(model, idx, config, n_pad, generators)
+    monkeypatch.setattr(sample, "generate_stream", spy)
+    common = ["--model", ckpt, "--prompts", prompts_file, "--max_new_tokens", "8", "--seed", "100", "--device", "cpu",
+              *flags]
+    runs = {}
+    for batch_size, expected_batches in [(None, [4]), (3, [3, 1]), (1, [1, 1, 1, 1])]:  # None: the default, 16
+        batches.clear()
+        json_path = tmp_path / f"{batch_size}.json"
+        sample.main([*common, *["--batch_size", str(batch_size)] * (batch_size is not None), "--json", str(json_path)])
+        assert batches == expected_batches
+        runs[batch_size] = printed_blocks(capsys.readouterr().out), json_path.read_text()
+    assert len(runs[None][0]) == len(PROMPTS) * (1 if "greedy" in flags else 2)
+    assert runs[3] == runs[1] == runs[None]  # the same texts, and the same --json to the byte
+
+
+def test_a_file_of_200000_prompts_is_generated_16_at_a_time(padded, tmp_path, monkeypatch, capsys):
+    # It was one batch: 200,000 rows (and generators), that ran out of memory.
+    _, ckpt = padded
+    n = 200_000
+    (tmp_path / "prompts.txt").write_text("".join(f"prompt {i}\n" for i in range(n)))
+    calls = []
+
+    def generate_stream(model, idx, config, n_pad, generators):  # every output is <|endoftext|> at once
+        calls.append((idx.size(0), len(generators)))
+        return ((i, [[EOT]]) for i in range(idx.size(0)))
+    monkeypatch.setattr(sample, "generate_stream", generate_stream)
+    sample.main(["--model", ckpt, "--prompts", str(tmp_path / "prompts.txt"), "--num_samples", "1", "--device", "cpu"])
+    assert calls == [(16, 16)] * (n // 16)
+    assert capsys.readouterr().out == "".join(f"--- prompt {i + 1}/{n} ---\nprompt {i}\n" for i in range(n))
