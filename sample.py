@@ -120,8 +120,8 @@ def load_prompts(parser, flag, value):
     """The prompts of --prompts FILE or --prompt, or a one-line exit naming the file (and line)."""
     try:
         return read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
-    except TextFileError as e:  # it names the file, and the line
-        parser.fail(f"{flag} {'@' * (flag == '--prompt')}{e}")
+    except TextFileError as e:  # its message starts with the file's path (and line): --prompt's @ goes before it
+        parser.fail(f"{flag} {'@' if flag == '--prompt' else ''}{e}")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         parser.fail(f"{flag} {value}: {e}")
 
