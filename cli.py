@@ -1,5 +1,5 @@
-"""What the scripts' command lines share: errors in one line, and config files of flag values
-(configs/NAME.toml, the trainer's presets)."""
+"""What the scripts' command lines share: errors in one line, config files of flag values
+(configs/NAME.toml, the trainer's presets), and bounded reads of the text files a user names."""
 import argparse
 import os
 import stat
@@ -97,3 +97,57 @@ def value_problem(action, value):
     if action.choices is not None and value not in action.choices:
         return f"must be one of {', '.join(map(str, action.choices))}, not {value!r}"
     return None
+
+
+# A line of a user's text file (for sample.py --prompt @FILE, the whole file) holds at most this
+# many characters: 4x what GPT-2's whole context can hold (1,024 tokens of at most 128 bytes),
+# hundreds of HellaSwag examples. A longer one is a mistake (a binary file, one with no line
+# breaks), refused before it fills the memory or reaches the tokenizer (whose regex fails at 1M spaces).
+MAX_LINE_CHARS = 1 << 19
+
+FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+              stat.S_IFSOCK: "a socket"}
+
+
+class TextFileError(ValueError):
+    """A user's text file that cannot be read as one: not a regular file, or a line too long.
+    The message starts with the file's path, as given, and names the line where there is one."""
+
+
+def open_text(path, newline=None):
+    """path opened as UTF-8 text, or OSError, or TextFileError if it is not a regular file: a
+    FIFO's open() would wait for a writer, /dev/zero never ends, a directory has no text."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # so that a FIFO opens at once, to be refused
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TextFileError(f"{path}: {FILE_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
+                                f"not a regular file")
+        return open(fd, encoding="utf-8", newline=newline)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_text(path, max_chars=MAX_LINE_CHARS):
+    """The whole file, as is (\r\n stays \r\n); TextFileError past max_chars characters (only
+    max_chars + 1 are read), else as open_text, or UnicodeDecodeError."""
+    with open_text(path, newline="") as f:
+        text = f.read(max_chars + 1)
+    if len(text) > max_chars:
+        raise TextFileError(f"{path}: more than {max_chars:,} characters")
+    return text
+
+
+def read_lines(path, max_chars=MAX_LINE_CHARS):
+    """Yields (number from 1, line without its line break) for each line (ended by \n, \r\n or
+    \r; a last line break ends the last line); TextFileError at a line of more than max_chars
+    characters (no more of it is read), else as open_text, or UnicodeDecodeError."""
+    with open_text(path) as f:
+        number = 0
+        while line := f.readline(max_chars + 1):  # + 1: a line of max_chars and its line break
+            number += 1
+            line = line.removesuffix("\n")
+            if len(line) > max_chars:
+                raise TextFileError(f"{path} line {number}: more than {max_chars:,} characters")
+            yield number, line

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser, gpt2_vocab_problem
+from cli import Parser, TextFileError, gpt2_vocab_problem, read_lines
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
 
@@ -72,17 +72,19 @@ def parse_example(line):
 
 
 def read_examples(path, expected=None):
-    """Every example of a HellaSwag jsonl file, each line checked; expected: the count it must hold."""
+    """Every example of a HellaSwag jsonl file, each line checked; expected: the count it must
+    hold. A file that is not a regular file, or a line longer than cli.MAX_LINE_CHARS, is refused."""
     examples = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    examples.append(parse_example(line))
-                except ValueError as e:
-                    raise HellaSwagError(f"{path} line {lineno}: {e}") from None
+        for lineno, line in read_lines(path):
+            if not line.strip():
+                continue
+            try:
+                examples.append(parse_example(line))
+            except ValueError as e:
+                raise HellaSwagError(f"{path} line {lineno}: {e}") from None
+    except TextFileError as e:  # it names the file, and the line
+        raise HellaSwagError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise HellaSwagError(f"{path}: cannot read it ({e})") from None
     if not examples:

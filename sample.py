@@ -1,5 +1,5 @@
 """Generates text from a model, with Hugging Face's options: sampling, greedy search or beam
-search, for one prompt or a file of them, run as one batch.
+search, for one prompt or a file of them, run --batch_size prompts at a time.
 
     python sample.py --model log/ckpt_019073.pt --prompt "Hello, I'm a language model,"
     python sample.py --model gpt2 --prompt @prompt.txt --num_return_sequences 1 --top_p 0.9
@@ -18,7 +18,7 @@ import torch
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser
+from cli import Parser, TextFileError, read_lines, read_text
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
 
@@ -34,7 +34,7 @@ def make_parser():
     prompt.add_argument("--prompt", default="Hello, I'm a language model,",
                         help="the text to continue, or @FILE to read it from FILE; empty starts a new document")
     prompt.add_argument("--prompts", default=None, metavar="FILE",
-                        help="a file of prompts, one a line, generated as one batch")
+                        help="a file of prompts, one a line, generated --batch_size at a time")
     parser.add_argument("--decode", choices=list(DECODE_NAMES), default=None,
                         help="default: beam with --num_beams 2 or more, else sampling")
     parser.add_argument("--num_return_sequences", "--num_samples", type=int, default=None,
@@ -58,6 +58,9 @@ def make_parser():
                         help="end an output at <|endoftext|>")
     parser.add_argument("--seed", type=int, default=None,
                         help="the same seed gives the same samples; prompt i (from 0) of --prompts uses seed + i")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="prompts generated at once, each as num_return_sequences rows (num_beams in beam "
+                             "search); bounds memory, changes no result (default: 16)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto: the best available")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the settings and results here")
     return parser
@@ -65,6 +68,8 @@ def make_parser():
 
 def parse_args(parser, argv=None):
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch_size must be at least 1")
     if args.top_k < 0:
         parser.error("--top_k must be 0 (no limit) or more")
     if args.seed is not None and not 0 <= args.seed < 2**64:  # torch's seeds are 64-bit
@@ -94,20 +99,55 @@ def early_stopping(text):
 
 
 def read_prompt(prompt):
-    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); OSError or UnicodeDecodeError."""
-    if not prompt.startswith("@"):
-        return prompt
-    with open(prompt[1:], encoding="utf-8", newline="") as f:
-        return f.read()
+    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); cli.read_text's errors."""
+    return read_text(prompt[1:]) if prompt.startswith("@") else prompt
 
 
 def read_prompts(path):
-    """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends the last."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
+    """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends
+    the last. cli.read_lines's errors, and ValueError for an empty file."""
+    prompts = [line for _, line in read_lines(path)]
+    if not prompts:
         raise ValueError("the file is empty (one prompt a line)")
-    return text.removesuffix("\n").split("\n")
+    return prompts
+
+
+def encode_prompt(prompt):
+    """A prompt's ids: it may hold <|endoftext|> to separate documents; an empty one starts a new document."""
+    return get_encoding().encode(prompt, allowed_special="all") or [EOT]
+
+
+def load_prompts(parser, flag, value):
+    """The prompts of --prompts FILE or --prompt, or a one-line exit naming the file (and line)."""
+    try:
+        return read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
+    except TextFileError as e:  # its message starts with the file's path (and line): --prompt's @ goes before it
+        parser.fail(f"{flag} {'@' if flag == '--prompt' else ''}{e}")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        parser.fail(f"{flag} {value}: {e}")
+
+
+def check_lengths(parser, flag, value, lengths, block_size):
+    """A one-line exit at the first prompt of more tokens (lengths) than block_size: the model
+    could never read it whole, its start would be dropped unseen."""
+    for i, n in enumerate(lengths):
+        if n > block_size:
+            where = (f"--prompts {value} line {i + 1}" if flag == "--prompts"
+                     else f"--prompt {value}" if value.startswith("@") else "--prompt")
+            parser.fail(f"{where}: a prompt of {n:,} tokens, longer than the model's context (block_size {block_size:,})")
+
+
+def generate_batches(model, prompts, config, seed, batch_size, device):
+    """Yields (i, outputs) for every prompt i, as generate_stream does for one batch, but runs
+    batch_size prompts at a time, in input order: memory is bounded by the batch, not the file.
+    Prompt i samples from its own generator, seeded seed + i, so its outputs are the same
+    whichever prompts share its batch (greedy and beam search are so in any case)."""
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start: start + batch_size]
+        idx, n_pad = left_pad([encode_prompt(prompt) for prompt in batch], EOT, device)
+        generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(start, start + len(batch))]
+        for i, outputs in generate_stream(model, idx, config, n_pad, generators):
+            yield start + i, outputs
 
 
 def print_result(i, n_prompts, prompt, texts, kind):
@@ -124,31 +164,26 @@ def main(argv=None):
     args = parse_args(parser, argv)
     config = args.config
     flag, value = ("--prompts", args.prompts) if args.prompts is not None else ("--prompt", args.prompt)
-    try:
-        prompts = read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        parser.fail(f"{flag} {value}: {e}")
+    prompts = load_prompts(parser, flag, value)
     model, device = load_model_onto(parser, args.model, args.device)
 
     enc = get_encoding()
-    # A prompt may hold <|endoftext|> to separate documents; an empty one starts a new document.
-    prompt_ids = [enc.encode(prompt, allowed_special="all") or [EOT] for prompt in prompts]
+    # Only the lengths are kept: as Python ints, every prompt's ids at once could take gigabytes.
+    lengths = [len(encode_prompt(prompt)) for prompt in prompts]
+    check_lengths(parser, flag, value, lengths, model.config.block_size)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # printed, so a run can be repeated
-    # One generator a prompt: its samples are the same in any batch as alone (with its seed).
-    generators = [torch.Generator(device).manual_seed((seed + i) % 2**64) for i in range(len(prompts))]
     n_params = sum(p.numel() for p in model.parameters())
-    lengths = sorted(map(len, prompt_ids))
-    tokens = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    tokens = f"{min(lengths)}" if min(lengths) == max(lengths) else f"{min(lengths)}-{max(lengths)}"
     print(f"{args.model}: {n_params / 1e6:.1f}M parameters on {device}, {len(prompts)} prompt(s) of {tokens} tokens, "
           f"{config.decode}, seed {seed}", file=sys.stderr)
 
-    idx, n_pad = left_pad(prompt_ids, EOT, device)
-    results = [None] * len(prompts)
-    for i, outputs in generate_stream(model, idx, config, n_pad, generators):
+    results = [None] * len(prompts)  # kept for --json only
+    for i, outputs in generate_batches(model, prompts, config, seed, args.batch_size, device):
         # The text is what the model wrote: without the <|endoftext|> that ended it (the ids keep it).
         texts = [enc.decode(ids[:-1] if config.eos_token_id is not None and ids[-1] == EOT else ids) for ids in outputs]
         print_result(i, len(prompts), prompts[i], texts, "beam" if config.decode == "beam" else "sample")
-        results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
+        if args.json:
+            results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
     if args.json:
         try:
             with atomic_open(args.json, "w") as f:

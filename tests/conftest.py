@@ -129,13 +129,13 @@ def disk_full(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
-def run_script(script, *args, cwd=REPO, env=None, timeout=300):
+def run_script(script, *args, cwd=REPO, env=None, timeout=300, preexec_fn=None):
     """Runs one of the repository's scripts (or script, a path) as a user would, offline, with
     env's variables added; returns the CompletedProcess with stdout and stderr as text.
     subprocess.TimeoutExpired past timeout seconds."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=timeout)
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, encoding="utf-8", timeout=timeout, preexec_fn=preexec_fn)
 
 
 def exit_message(capsys, main, *argv):
@@ -340,3 +340,31 @@ def declare_bytes(ckpt, key, payload_file):
                                                              os.path.getsize(payload_file))
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
+
+
+def memory_limit(limit):
+    """A preexec_fn: the child may map no more than limit bytes (ulimit -v), so that a read that
+    never ends fails fast with MemoryError rather than filling this machine's memory."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+def run_bounded(script, *args, cwd=REPO):
+    """run_script for inputs that could hang or fill the memory of a script that reads them
+    unbounded: 60 s and 2 GiB at most, so that a test of such an input fails, never hangs."""
+    return run_script(script, *args, cwd=cwd, timeout=60, preexec_fn=memory_limit(2 << 30))
+
+
+def never_ending_inputs(tmp_path):
+    """{name: path} of inputs that a read without bounds never finishes: a device that never ends,
+    a FIFO that no one writes (open() waits), a directory, and a 4 GiB file of one line (sparse:
+    it takes no disk)."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    with open(tmp_path / "huge", "wb") as f:
+        f.truncate(4 << 30)
+    return {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "dir"),
+            "huge": str(tmp_path / "huge")}

@@ -203,6 +203,9 @@ def test_a_finished_row_is_padded_not_extended(models):
     (dict(repetition_penalty=0.0), "repetition_penalty must be more than 0"),
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be 0 (off) or more"),
     (dict(min_new_tokens=-1), "min_new_tokens must be 0 or more"),
+    (dict(min_new_tokens=9, max_new_tokens=8), "min_new_tokens 9 is more than max_new_tokens 8"),
+    (dict(decode="beam", num_beams=2, length_penalty=float("nan")), "length_penalty must be a finite number"),
+    (dict(decode="beam", num_beams=2, length_penalty=float("-inf")), "length_penalty must be a finite number"),
     (dict(top_k=0), "top_k must be at least 1"),
 ])
 def test_bad_options_are_named(options, message):

@@ -11,7 +11,9 @@ from torch.nn import functional as F
 
 import hellaswag
 from checkpoint import load_model
-from conftest import EXAMPLES, disk_full, exit_message, make_hf_gpt2, run_script, write_jsonl
+from cli import MAX_LINE_CHARS
+from conftest import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
+                      write_jsonl)
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, get_encoding
@@ -347,3 +349,23 @@ def test_blank_lines_are_skipped(tmp_path):
     path = tmp_path / "blank.jsonl"
     path.write_text("\n" + json.dumps(EXAMPLES[0]) + "\n\n" + json.dumps(EXAMPLES[1]) + "\n  \n", encoding="utf-8")
     assert [e["label"] for e in read_examples(str(path))] == [2, 0]
+
+
+@pytest.mark.parametrize("name, why", [("/dev/zero", ": a device, not a regular file"),
+                                       ("fifo", ": a FIFO, not a regular file"),
+                                       ("dir", ": a directory, not a regular file"),
+                                       ("huge", " line 1: more than 524,288 characters")])
+def test_data_that_never_ends_is_refused_in_one_line(tmp_path, name, why):
+    path = never_ending_inputs(tmp_path)[name]
+    proc = run_bounded("hellaswag.py", "--data", path, "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"hellaswag.py: error: {path}{why}\n")
+
+
+def test_a_line_may_hold_max_line_chars_and_no_more(tmp_path):
+    line = json.dumps(EXAMPLES[0])
+    padded = line + " " * (MAX_LINE_CHARS - len(line))  # JSON allows the spaces
+    path = write_jsonl(tmp_path / "long.jsonl", [EXAMPLES[1], padded])
+    assert [e["label"] for e in read_examples(path)] == [0, 2]
+    path = write_jsonl(tmp_path / "longer.jsonl", [EXAMPLES[1], padded + " ", EXAMPLES[2]])
+    with pytest.raises(HellaSwagError, match=f"^{re.escape(path)} line 2: more than 524,288 characters$"):
+        read_examples(path)

@@ -7,7 +7,8 @@ import torch
 
 import generate
 import sample
-from conftest import disk_full, exit_message, make_eot_gpt, make_tiny_gpt, run_script, save_as_checkpoint
+from conftest import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
+                      save_as_checkpoint)
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 PROMPT = "Once upon a time, ünïcödé"
@@ -104,6 +105,20 @@ def test_stop_at_eot(padded, tmp_path, capsys):
 ])
 def test_bad_flags_are_one_line_errors(flags, message, capsys):
     assert message in exit_message(capsys, sample.main, *flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--length_penalty", "nan"], "--length_penalty must be a finite number"),
+    (["--length_penalty", "inf"], "--length_penalty must be a finite number"),
+    (["--num_beams", "2", "--length_penalty=-inf"], "--length_penalty must be a finite number"),
+    (["--min_new_tokens", "201"], "--min_new_tokens 201 is more than max_new_tokens 200"),
+    (["--min_new_tokens", "5", "--max_new_tokens", "4"], "--min_new_tokens 5 is more than max_new_tokens 4"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+])
+def test_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        sample.main(flags)
+    assert (e.value.code, *capsys.readouterr()) == (2, "", f"sample.py: error: {message} (see --help)\n")
 
 
 def test_temperature_and_top_p_reach_the_sampler(padded, capsys):
@@ -224,3 +239,93 @@ def test_bad_prompt_files_and_flags_are_one_line_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             sample.main(flags)
         assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, name, why", [
+    ("--prompts ", "/dev/zero", ": a device, not a regular file"),
+    ("--prompts ", "fifo", ": a FIFO, not a regular file"),
+    ("--prompts ", "dir", ": a directory, not a regular file"),
+    ("--prompts ", "huge", " line 1: more than 524,288 characters"),
+    ("--prompt @", "/dev/zero", ": a device, not a regular file"),
+    ("--prompt @", "fifo", ": a FIFO, not a regular file"),
+    ("--prompt @", "huge", ": more than 524,288 characters"),
+])
+def test_prompts_that_never_end_are_refused_in_one_line(tmp_path, flag, name, why):
+    # Read before the model is loaded: the default gpt2, not on this machine, is never reached.
+    path = never_ending_inputs(tmp_path)[name]
+    proc = run_bounded("sample.py", *f"{flag}{path}".split(" "), "--device", "cpu")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"sample.py: error: {flag}{path}{why}\n")
+
+
+def test_a_prompt_longer_than_the_context_is_refused_in_one_line(padded, tmp_path, capsys):
+    model, ckpt = padded
+    assert model.config.block_size == 64
+    fits, too_long = "word" + " word" * 63, "word" + " word" * 64  # " word" is one token
+    assert len(get_encoding().encode_ordinary(too_long)) == 65
+    (tmp_path / "prompts.txt").write_text(f"Hi\n{fits}\n{too_long}\nHo\n")
+    (tmp_path / "prompt.txt").write_text(too_long)
+    flags = ["--model", ckpt, "--decode", "greedy", "--max_new_tokens", "2", "--device", "cpu"]
+    why = "a prompt of 65 tokens, longer than the model's context (block_size 64)"
+    for prompt, where in [(["--prompts", tmp_path / "prompts.txt"], f"--prompts {tmp_path / 'prompts.txt'} line 3"),
+                          (["--prompt", f"@{tmp_path / 'prompt.txt'}"], f"--prompt @{tmp_path / 'prompt.txt'}"),
+                          (["--prompt", too_long], "--prompt")]:
+        with pytest.raises(SystemExit) as e:
+            sample.main([*flags, *map(str, prompt)])
+        assert (e.value.code, *capsys.readouterr()) == (1, "", f"sample.py: error: {where}: {why}\n")
+    sample.main([*flags, "--prompt", fits])  # a prompt of block_size tokens is read whole
+    new = model.generate(torch.tensor([get_encoding().encode_ordinary(fits)]), 2, temperature=0)[0, 64:].tolist()
+    assert capsys.readouterr().out == fits + get_encoding().decode(new) + "\n"
+
+
+def printed_blocks(out):
+    """{header: its texts} of sample.py's output for several prompts, whatever their order."""
+    blocks = {}
+    for line in out.splitlines(keepends=True):
+        if line.startswith("--- prompt "):
+            header = line
+        blocks[header] = blocks.get(header, "") + line
+    return blocks
+
+
+@pytest.mark.parametrize("flags", [
+    ["--num_samples", "2", "--temperature", "0.6", "--top_k", "20", "--top_p", "0.9"],
+    ["--decode", "greedy", "--repetition_penalty", "1.3", "--no_repeat_ngram_size", "2"],
+    ["--decode", "beam_search", "--num_beams", "3", "--num_return_sequences", "2", "--length_penalty", "0.5",
+     "--early_stopping", "never", "--min_new_tokens", "2"],
+])
+def test_prompts_run_batch_size_at_a_time_with_the_results_of_one_batch(eot_model, flags, tmp_path, capsys,
+                                                                         monkeypatch):
+    _, ckpt, prompts_file = eot_model
+    batches = []
+
+    def spy(model, idx, config, n_pad, generators):
+        batches.append(idx.size(0))
+        return generate.generate_stream(model, idx, config, n_pad, generators)
+    monkeypatch.setattr(sample, "generate_stream", spy)
+    common = ["--model", ckpt, "--prompts", prompts_file, "--max_new_tokens", "8", "--seed", "100", "--device", "cpu",
+              *flags]
+    runs = {}
+    for batch_size, expected_batches in [(None, [4]), (3, [3, 1])]:  # None: the default, 16
+        batches.clear()
+        json_path = tmp_path / f"{batch_size}.json"
+        sample.main([*common, *["--batch_size", str(batch_size)] * (batch_size is not None), "--json", str(json_path)])
+        assert batches == expected_batches
+        runs[batch_size] = printed_blocks(capsys.readouterr().out), json_path.read_text()
+    assert len(runs[None][0]) == len(PROMPTS) * (1 if "greedy" in flags else 2)
+    assert runs[3] == runs[None]  # the same texts, and the same --json to the byte
+
+
+def test_a_file_of_200000_prompts_is_generated_16_at_a_time(padded, tmp_path, monkeypatch, capsys):
+    # It was one batch: 200,000 rows (and generators), that ran out of memory.
+    _, ckpt = padded
+    n = 200_000
+    (tmp_path / "prompts.txt").write_text("".join(f"prompt {i}\n" for i in range(n)))
+    calls = []
+
+    def generate_stream(model, idx, config, n_pad, generators):  # every output is <|endoftext|> at once
+        calls.append((idx.size(0), len(generators)))
+        return ((i, [[EOT]]) for i in range(idx.size(0)))
+    monkeypatch.setattr(sample, "generate_stream", generate_stream)
+    sample.main(["--model", ckpt, "--prompts", str(tmp_path / "prompts.txt"), "--num_samples", "1", "--device", "cpu"])
+    assert calls == [(16, 16)] * (n // 16)
+    assert capsys.readouterr().out == "".join(f"--- prompt {i + 1}/{n} ---\nprompt {i}\n" for i in range(n))
