@@ -56,23 +56,24 @@ ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
 
 
 def parse_args(argv=None):
-    p = Parser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="bench.py", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--json", default=None, help="write the results to this JSON file, rewritten after each result")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--compile", default="auto", choices=["auto", "1", "0"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, else mps, else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="autocast dtype of train; auto: as train_gpt2.py picks it")
+    p.add_argument("--compile", default="auto", choices=["auto", "1", "0"], help="torch.compile train's model; auto: on CUDA")
     p.add_argument("--baseline", type=int, default=1, choices=[0, 1], help="also time the baseline variants")
     p.add_argument("--levers", nargs="?", const=ALL_LEVERS, default=(), type=lever_names,
                    help="train: also time the project with each lever switched off or on in turn: all of them, "
                         f"or those named ({', '.join(ALL_LEVERS)})")
     p.add_argument("--n_layer", type=fineweb.positive_int, default=None, help="model size for train (default: by device)")
-    p.add_argument("--n_head", type=fineweb.positive_int, default=None)
-    p.add_argument("--n_embd", type=fineweb.positive_int, default=None)
+    p.add_argument("--n_head", type=fineweb.positive_int, default=None, help="attention heads for train (default: by device)")
+    p.add_argument("--n_embd", type=fineweb.positive_int, default=None, help="model width for train (default: by device)")
     p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
                    help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
-    p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None)
+    p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None, help="tokens per sequence for train (default: by device)")
     p.add_argument("--steps", type=fineweb.positive_int, default=None, help="timed training steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
     args = p.parse_args(argv)

@@ -777,8 +777,7 @@ class Checkpointer:
 def main(argv=None):
     """python checkpoint.py SHARDED_DIR OUT.pt: a sharded checkpoint as the one-file kind, in one
     process: hellaswag.py, sample.py, export_hf.py read either, and a run resumes from either."""
-    import argparse
-    parser = Parser(prog="checkpoint.py", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="checkpoint.py", description=main.__doc__)
     parser.add_argument("sharded", help="a ckpt_XXXXXX/ directory that train_gpt2.py --fsdp 1 wrote")
     parser.add_argument("out", help="the .pt file to write")
     args = parser.parse_args(argv)

@@ -39,8 +39,21 @@ def read_config(path):
         raise ConfigError(f"{path}: not TOML ({e})") from None
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description as written; each flag's default after its help, unless the help says it or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: a usage error exits 2 (argparse's code), a run error 1."""
+    """argparse with one-line errors (a usage error exits 2, argparse's code; a run error 1), and
+    a --help that shows each flag's default and the description as written."""
+
+    def __init__(self, *args, formatter_class=HelpWithDefaults, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

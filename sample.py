@@ -39,7 +39,7 @@ def make_parser():
                         help="default: beam with --num_beams 2 or more, else sampling")
     parser.add_argument("--num_return_sequences", "--num_samples", type=int, default=None,
                         help="outputs per prompt: samples, or the best beams (default: 4 samples, 1 beam)")
-    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate after each prompt, at most")
     parser.add_argument("--min_new_tokens", type=int, default=0, help="<|endoftext|> is masked until this many tokens")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling; 0 is greedy")
     parser.add_argument("--top_k", type=int, default=50, help="sample from the k most likely tokens; 0 for all")
@@ -48,7 +48,7 @@ def make_parser():
     parser.add_argument("--repetition_penalty", type=float, default=1.0,
                         help="CTRL's: above 1 makes tokens of the prompt and output less likely")
     parser.add_argument("--no_repeat_ngram_size", type=int, default=0, help="no n-gram of this size twice; 0 is off")
-    parser.add_argument("--num_beams", type=int, default=1)
+    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams; 1 is sampling or greedy")
     parser.add_argument("--length_penalty", type=float, default=1.0,
                         help="beam: a finished beam scores sum(log p) / length ** length_penalty")
     parser.add_argument("--early_stopping", type=early_stopping, default=False, metavar="{true,false,never}",

@@ -44,17 +44,8 @@ REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to th
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 
 
-class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """The description as written; each flag's default after its help, unless the help says it or there is none."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "(default:" in action.help:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser(add_help=True):
-    p = Parser(description=__doc__, formatter_class=HelpWithDefaults, add_help=add_help)
+    p = Parser(description=__doc__, add_help=add_help)
     a = p.add_argument
     a("--preset", default="gpt2", choices=PRESETS, metavar="NAME",
       help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(PRESETS)}")

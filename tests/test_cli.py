@@ -1,5 +1,6 @@
 """cli.py: config files of flag values (the trainer's presets and --config), read as plain data
 and checked against the flags, each problem one line naming the file and the key."""
+import argparse
 import os
 
 import pytest
@@ -59,3 +60,34 @@ def test_the_testing_flag_has_its_own_group_in_help(capsys):
     out = capsys.readouterr().out
     options, testing = out.split("\noptions:\n")[1].split("\ntesting:\n")
     assert "--fault" not in options and "--fault KIND@STEP[:RANK]" in testing
+
+
+class Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script", ["train_gpt2", "fineweb", "hellaswag", "sample", "export_hf", "plot_log", "bench",
+                                    "checkpoint"])
+def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch, capsys):
+    """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
+    import importlib
+
+    import cli
+    parsers = []
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        raise Captured
+    monkeypatch.setattr(cli.Parser, "parse_args", capture)
+    main = getattr(importlib.import_module(script), "main")
+    with pytest.raises(Captured):
+        main(["--help"])
+    parser = parsers[0]
+    assert isinstance(parser.formatter_class(prog="x"), cli.HelpWithDefaults)
+    missing = [action.option_strings or action.dest for action in parser._actions if not action.help]
+    assert not missing, missing
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.help:
+            shown = formatter._get_help_string(action)
+            assert "%(default)s" in shown or "(default:" in shown, action.dest
