@@ -3,7 +3,7 @@ measured beside a plain baseline in the same run, so every number is also a rati
 device's dense matmul rate, the ceiling the FLOP rates are read against. It asserts nothing.
 
     python bench.py                                   # GPT-2 (124M) sizes on a GPU, small ones on a CPU
-    python bench.py --quick                           # every part, tiny, well under a minute on 2 cores
+    python bench.py --quick                           # every part, tiny: a smoke run (minutes on a busy 2-core CPU)
     python bench.py --json bench/results/NAME.json    # also write the results as JSON
     python bench.py --parts train --levers            # also the project with each lever switched off or on
     python bench.py --parts train --levers recompute_full,chunked_loss   # only those levers

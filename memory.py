@@ -1,6 +1,6 @@
 """How much GPU memory training takes, per GPU, before any is allocated: train_gpt2.py --plan, the
-README's table of the presets (`python memory.py` prints it), and the check, shared by the trainer
-and bench.py, that refuses a model its device cannot hold.
+presets table in docs/scaling.md (`python memory.py` prints it), and the check, shared by the
+trainer and bench.py, that refuses a model its device cannot hold.
 
 Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
 ranks under FSDP. Activations are what the forward pass keeps for the backward, counted per

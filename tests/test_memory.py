@@ -172,6 +172,6 @@ def test_sharding_and_recompute_shrink_the_plan():
     assert ddp.logits == 2 * chunked.logits  # 8x1024 positions, against a chunk of 4096
 
 
-def test_the_readme_table_is_what_memory_py_prints():
-    with open(os.path.join(REPO, "README.md")) as f:
+def test_the_docs_table_is_what_memory_py_prints():
+    with open(os.path.join(REPO, "docs", "scaling.md")) as f:
         assert memory.presets_table() in f.read()
