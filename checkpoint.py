@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from atomic import atomic_open
-from cli import Parser, gpt2_vocab_problem
+from cli import Parser, first_line, gpt2_vocab_problem
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
@@ -672,10 +672,6 @@ def load_error(error):
     """Why torch.load failed, in one short line: without its advice to try weights_only=False."""
     detail = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", first_line(error))
     return f"{type(error).__name__}: {detail.group(1) if detail else first_line(error)}"
-
-
-def first_line(error):
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints

@@ -87,6 +87,11 @@ class Parser(argparse.ArgumentParser):
             self.fail(f"{flag} {path}: cannot write there ({e.strerror})")
 
 
+def first_line(error):
+    """An exception's message as one line (its type's name if it has none), for one-line errors."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def gpt2_vocab_problem(vocab_size):
     """Why a model of vocab_size cannot read or write GPT-2's token ids, or None if it can."""
     if vocab_size < N_VOCAB:

@@ -5,6 +5,8 @@ from contextlib import nullcontext
 
 import torch
 
+from cli import first_line
+
 # Dense bf16 peak FLOP/s per GPU, from NVIDIA's datasheets, for MFU. The first entry whose words
 # all appear, in order and whole, in the device's name wins: variants before the plain model
 # ("H100 NVL" before "H100"), and "L4" does not match an L40, nor "A100" an RTX A1000.
@@ -26,7 +28,7 @@ def pick_device(name="auto", local_rank=None):
     try:
         torch.empty(0, device=name)  # an unknown name, a missing GPU, a torch built without it
     except (RuntimeError, AssertionError) as e:
-        raise ValueError(f"device {name} cannot be used here: {' '.join(str(e).split())}") from None
+        raise ValueError(f"device {name} cannot be used here: {first_line(e)}") from None
     return name
 
 

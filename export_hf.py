@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from checkpoint import load_model_onto
-from cli import Parser
+from cli import Parser, first_line
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 EOT_TEXT = "<|endoftext|>"
@@ -194,7 +194,7 @@ def main(argv=None):
     try:
         diff = export(model, out_dir, args.force)
     except (OSError, RuntimeError, SafetensorError) as e:  # safetensors reports a full disk as its own error
-        parser.fail(f"exporting to {args.out_dir}: {' '.join(str(e).split())}")
+        parser.fail(f"exporting to {args.out_dir}: {first_line(e)}")
     n_params = sum(t.numel() for key, t in model.to_hf_state_dict().items() if key != "lm_head.weight")  # tied
     print(f"exported {args.model} to {args.out_dir}: {n_params / 1e6:.1f}M parameters, vocab {N_VOCAB}, "
           f"block {model.config.block_size}; logits match to {diff:.1e}")

@@ -7,7 +7,7 @@ import time
 
 import checkpoint
 from atomic import CannotClaim, atomic_open, claim_directory
-from checkpoint import first_line
+from cli import first_line
 from distributed import RunError
 
 RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
 
 from atomic import atomic_open
-from cli import Parser
+from cli import Parser, first_line
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).
@@ -190,7 +190,7 @@ def main(argv=None):
     except OSError as e:  # a missing directory, or one we may not write to
         sys.exit(f"error: -o {args.out}: {e.strerror or e}")
     except RuntimeError as e:  # a writer that needs a missing tool (pgf: LaTeX)
-        sys.exit(f"error: -o {args.out}: {' '.join(str(e).split())}")
+        sys.exit(f"error: -o {args.out}: {first_line(e)}")
     for run in runs:
         print(summary(run))
     print(f"wrote {args.out}")
