@@ -29,7 +29,6 @@ import hellaswag
 import logdir
 import memory
 import sharding
-from muon import OPTIMIZERS, build_optimizer
 from checkpoint import CheckpointError, Checkpointer, load_model
 from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
@@ -37,6 +36,7 @@ from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
+from muon import OPTIMIZERS, build_optimizer
 from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
