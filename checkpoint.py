@@ -46,6 +46,7 @@ from cli import Parser, first_line, gpt2_vocab_problem
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
+from muon import optimizer_name
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
@@ -140,6 +141,11 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: its step is {step!r}, not a step number")
+    saved_optimizer, this_optimizer = saved_optimizer_name(state), optimizer_name(optimizer)
+    if saved_optimizer != this_optimizer:
+        raise CheckpointError(f"{path} is a run of --optimizer {saved_optimizer}, this one is of --optimizer "
+                              f"{this_optimizer}: resume it with --optimizer {saved_optimizer}, or start over "
+                              f"in another --log_dir")
     with restoring(path, "model and optimizer"):
         if sharded:
             load_sharded(path, raw_model, optimizer)
@@ -161,6 +167,12 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     return step
 
 
+def saved_optimizer_name(state):
+    """The --optimizer a training checkpoint was saved under; adamw for one from before the flag."""
+    args = state.get("args")
+    return args.get("optimizer", "adamw") if isinstance(args, dict) else "adamw"
+
+
 @contextmanager
 def restoring(path, field):
     """Restoring field from the checkpoint at path: a value that cannot be restored (a hand-edited
@@ -178,7 +190,11 @@ def load_optimizer_state(optimizer, saved):
     """Loads saved into optimizer, keeping this machine's AdamW kernel (a run saved on a CPU resumes
     fused on a GPU, and back). The flags go into the saved groups before loading: load_state_dict
     places each `step` counter by them (fused and capturable kernels read it as float32 on the
-    parameter's device), so flags switched afterwards would leave it where the old kernel wanted it."""
+    parameter's device), so flags switched afterwards would leave it where the old kernel wanted it.
+    A MuonAdamW (--optimizer muon) loads each of its optimizers from its own entry of saved."""
+    if hasattr(optimizer, "parts"):
+        optimizer.load_state_dict(saved, load_part=load_optimizer_state)
+        return
     optimizer.load_state_dict({**saved, "param_groups": with_kernel_flags(saved["param_groups"], optimizer)})
 
 

@@ -3,7 +3,8 @@ presets table in docs/scaling.md (`python memory.py` prints it), and the check, 
 trainer and bench.py, that refuses a model its device cannot hold.
 
 Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
-ranks under FSDP. Activations are what the forward pass keeps for the backward, counted per
+ranks under FSDP; under --optimizer muon the blocks' matrices have Muon's one momentum buffer
+instead of AdamW's two moments (12 bytes for those parameters). Activations are what the forward pass keeps for the backward, counted per
 position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
 in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
 """
@@ -42,6 +43,22 @@ def n_params(config):
     return (config.vocab_size + config.block_size) * C + L * block + 2 * C
 
 
+def n_muon_params(config):
+    """Parameters Muon takes under --optimizer muon: the four matrices of each block (12 C^2)."""
+    return config.n_layer * 12 * config.n_embd * config.n_embd
+
+
+def optimizer_bytes(config, optimizer="adamw"):
+    """The optimizer's state, float32: AdamW's two moments (8 bytes a parameter), or under
+    muon Muon's momentum (4 bytes) for its matrices and AdamW's for the rest."""
+    P = n_params(config)
+    if optimizer == "adamw":
+        return 8 * P
+    if optimizer == "muon":
+        return 8 * (P - n_muon_params(config)) + 4 * n_muon_params(config)
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
 def block_activation_bytes(config, recompute, a):
     """Bytes a Block keeps for the backward pass, per position: a = bytes of the autocast dtype."""
     C, H = config.n_embd, config.n_head
@@ -77,21 +94,22 @@ def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
 
 
 def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,
-         chunked_loss=False):
+         chunked_loss=False, optimizer="adamw"):
     """The memory one GPU needs for a training step, split as Plan's fields. ValueError for sizes
     whose total is past a float's range: no figure in GiB can be printed for them."""
     P = n_params(config)
+    state = optimizer_bytes(config, optimizer)
     if fsdp:
         # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
         # one and the next, prefetched) and the root (embeddings), with their float32 gradients.
         root = (config.vocab_size + config.block_size) * config.n_embd + 2 * config.n_embd
         gathered = root + 2 * (P - root) // config.n_layer
-        weights, gradients, optimizer = (4 * P // world_size + dtype_bytes * gathered,
-                                         4 * P // world_size + 4 * gathered, 8 * P // world_size)
+        weights, gradients, state = (4 * P // world_size + dtype_bytes * gathered,
+                                     4 * P // world_size + 4 * gathered, state // world_size)
     else:
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
-        weights, gradients, optimizer = 4 * P + copies, 4 * P, 8 * P
-    estimate = Plan(weights, gradients, optimizer,
+        weights, gradients = 4 * P + copies, 4 * P
+    estimate = Plan(weights, gradients, state,
                     activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
                     logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
     if estimate.total > sys.float_info.max:

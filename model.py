@@ -251,9 +251,11 @@ class GPT(nn.Module):
                                            top_p=top_p, **options)
         return generate.generate(self, idx, config, n_pad, generator)
 
-    def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None):
-        """AdamW as GPT-2/3: matrices and embeddings decay; biases and LayerNorm gains do not."""
-        params = [p for p in self.parameters() if p.requires_grad]
+    def configure_optimizers(self, weight_decay, learning_rate, device_type, fused=None, exclude=()):
+        """AdamW as GPT-2/3: matrices and embeddings decay; biases and LayerNorm gains do not.
+        exclude: parameters another optimizer takes (--optimizer muon: the blocks' matrices)."""
+        skip = {id(p) for p in exclude}
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in skip]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [

@@ -36,6 +36,7 @@ from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
+from muon import OPTIMIZERS, build_optimizer
 from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,6 +73,13 @@ def build_parser(add_help=True):
     a("--max_lr", type=float, default=6e-4, help="peak learning rate, reached after warmup")
     a("--min_lr_ratio", type=float, default=0.1, help="min lr as a fraction of max lr")
     a("--weight_decay", type=float, default=0.1, help="AdamW weight decay of matrices and embeddings")
+    a("--optimizer", default="adamw", choices=OPTIMIZERS,
+      help="adamw: AdamW for every parameter (the recipe); muon: torch.optim.Muon for the blocks' four matrices "
+           "(qkv, attention projection, MLP in and out), AdamW as in the recipe for the rest")
+    a("--muon_lr", type=float, default=0.02,
+      help="Muon's peak lr; the schedule scales it as it scales --max_lr (a provisional default, to be measured)")
+    a("--muon_momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
+    a("--muon_weight_decay", type=float, default=0.1, help="Muon's decoupled weight decay (times its lr, as AdamW's)")
     a("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     a("--eval_interval", type=int, default=250, help="val loss and HellaSwag every N steps and at the end (0: never)")
     a("--val_steps", type=int, default=20, help="micro-batches per val loss")
@@ -162,6 +170,11 @@ def check_args(args, world_size):
         need(getattr(args, name) >= 0, f"--{name} must not be negative, not {getattr(args, name)}")
     need(args.max_steps or args.eval_interval, "--max_steps 0 only evaluates: it needs --eval_interval above 0")
     need(args.max_lr > 0 and 0 <= args.min_lr_ratio <= 1, "--max_lr must be positive and --min_lr_ratio in [0, 1]")
+    if args.optimizer == "muon":
+        need(args.muon_lr > 0 and 0 <= args.muon_momentum < 1 and args.muon_weight_decay >= 0,
+             "--muon_lr must be positive, --muon_momentum in [0, 1) and --muon_weight_decay not negative")
+        need(not args.fsdp, "--optimizer muon orthogonalizes whole matrices, which --fsdp 1 shards over the ranks: "
+                            "use --fsdp 0 (DDP) with it")
     need(args.n_embd % args.n_head == 0, f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     need(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), numpy's range, not {args.seed}")
     need(args.recompute_every > 0, f"--recompute_every must be positive, not {args.recompute_every}")
@@ -215,6 +228,7 @@ class StepResult:
     grad_norm: float  # before clipping
     lr: float
     skipped: bool  # a non-finite loss or gradient: the weights did not change
+    muon_lr: float = None  # Muon's, under --optimizer muon: lr times its group's lr_scale
 
 
 def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
@@ -253,13 +267,16 @@ def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
     loss = loss_sum / (dist.get_world_size() if dist.is_initialized() else 1)
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or t.scaler.is_enabled()))
+    muon_lr = None
     if not skipped:
         for group in t.optimizer.param_groups:
-            group["lr"] = lr
+            # AdamW's groups at lr itself; Muon's (--optimizer muon) at lr times its peak over --max_lr.
+            group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
+            muon_lr = group["lr"] if "lr_scale" in group else muon_lr
         t.scaler.step(t.optimizer)
     t.scaler.update()  # after every unscale_, or the next step's unscale_ raises
     synchronize(t.device)
-    return StepResult(loss, norm, lr, skipped)
+    return StepResult(loss, norm, lr, skipped, muon_lr)
 
 
 def clip_grad_norm(params, max_norm):
@@ -281,13 +298,15 @@ def to_device(batch, device):
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
                     compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None,
-                    recompute="none", recompute_every=1, chunked_loss=False):
+                    recompute="none", recompute_every=1, chunked_loss=False, optimizer="adamw", muon_lr=0.02,
+                    muon_momentum=0.95, muon_weight_decay=0.1):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
     sharded over the ranks (see sharding.py), and built on the meta device when init is its
     recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
-    fused_adamw=False. recompute, recompute_every: see GPT.set_recompute."""
+    fused_adamw=False; or, with optimizer "muon", Muon over the blocks' matrices and that AdamW over
+    the rest (muon.build_optimizer). recompute, recompute_every: see GPT.set_recompute."""
     raw_model.set_recompute(recompute, recompute_every)
     raw_model.set_attention(ATTENTION_KERNELS[attention])
     if fsdp:
@@ -302,7 +321,10 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
                         gradient_as_bucket_view=True)
         if compile_mode is not None:
             model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
-    optimizer = raw_model.configure_optimizers(weight_decay, lr, device.split(":")[0], fused=fused_adamw)
+    if fsdp and optimizer != "adamw":
+        raise RunError(f"--optimizer {optimizer} cannot run under --fsdp 1: it needs whole matrices")
+    optimizer = build_optimizer(raw_model, optimizer, weight_decay, lr, device.split(":")[0], fused_adamw, muon_lr,
+                                muon_momentum, muon_weight_decay)
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
     scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
     return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, chunked_loss)
@@ -361,10 +383,12 @@ def log_step(run, step, result, seconds, bad_steps):
     tokens_per_sec = run.args.total_batch_size / seconds
     mfu = f" | mfu {100 * run.flops_per_step / seconds / run.peak_flops:.1f}%" if run.peak_flops else ""
     mem = f" | mem {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f}GiB" if run.device.startswith("cuda") else ""
-    run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e} | norm {result.grad_norm:.4f} | "
-            f"dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
-    run.metrics.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                      dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
+    muon = {} if result.muon_lr is None else {"muon_lr": result.muon_lr}
+    run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e}"
+            + ("" if result.muon_lr is None else f" | muon lr {result.muon_lr:.4e}")
+            + f" | norm {result.grad_norm:.4f} | dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
+    run.metrics.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, **muon,
+                      grad_norm=result.grad_norm, dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
 
 
 def evaluate(run, step):
@@ -434,7 +458,14 @@ def setup(args):
     t = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
                         args.grad_clip, args.weight_decay, args.max_lr, compile_mode, attention=args.attention,
                         fsdp=bool(args.fsdp), init=init, recompute=args.recompute,
-                        recompute_every=args.recompute_every, chunked_loss=bool(args.chunked_loss))
+                        recompute_every=args.recompute_every, chunked_loss=bool(args.chunked_loss),
+                        optimizer=args.optimizer, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+                        muon_weight_decay=args.muon_weight_decay)
+    if args.optimizer == "muon":
+        n_muon = sum(p.numel() for group in t.optimizer.muon.param_groups for p in group["params"])
+        log(f"optimizer: Muon (peak lr {args.muon_lr}, momentum {args.muon_momentum}, weight decay "
+            f"{args.muon_weight_decay}) on {4 * raw_model.config.n_layer} matrices ({n_muon:,} parameters), "
+            f"AdamW (peak lr {args.max_lr}) on the rest")
     checkpointer = Checkpointer(args.log_dir, args.checkpoint_interval, args.keep_last, sharded=bool(args.fsdp),
                                 async_save=args.async_checkpoint, log=log)
     start_step = checkpointer.restore(args.resume, t, train_loader, args.max_steps)
@@ -662,12 +693,14 @@ def print_plan(args):
         check_args(args, world_size)
         config = model_config(args)
         estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp),
-                               args.recompute, args.recompute_every, dtype_bytes, bool(args.chunked_loss))
+                               args.recompute, args.recompute_every, dtype_bytes, bool(args.chunked_loss),
+                               args.optimizer)
     except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
           f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
-          f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}; per GPU:")
+          f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, "
+          f"optimizer {args.optimizer}; per GPU:")
     print(estimate.table())
 
 

@@ -1,0 +1,101 @@
+"""--optimizer muon: torch.optim.Muon for the matrices inside the blocks, the recipe's AdamW for
+everything else, as one optimizer object that the trainer, torch.amp.GradScaler and the checkpoints
+treat as they treat AdamW alone.
+
+Muon's parameters are the four matrices of each Block: attention's c_attn (q, k and v as one
+(3C, C) matrix, orthogonalized whole, as torch.optim.Muon does with any 2-D parameter) and c_proj,
+the MLP's c_fc and c_proj. They are nn.Linear weights, (out, in), the orientation Muon's shape
+adjustment (sqrt(max(1, out/in))) expects. The tied token embedding and head, the position
+embedding, the biases and the LayerNorms stay with AdamW, in configure_optimizers' two groups.
+
+The schedule: train_step sets each group's lr to get_lr(step), times the group's "lr_scale" where
+it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with
+AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly as without Muon.
+"""
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in each Block
+
+
+def muon_params(raw_model):
+    """The weights Muon takes: the four matrices of every Block, in the model's order."""
+    return [getattr(getattr(block, part.split(".")[0]), part.split(".")[1]).weight
+            for block in raw_model.transformer.h for part in MUON_MATRICES]
+
+
+class MuonAdamW:
+    """torch.optim.Muon over muon_params, AdamW over the rest, as one optimizer. param_groups are
+    the children's own group dicts (AdamW's, then Muon's), so setting a group's lr sets the child's
+    and GradScaler.unscale_ reaches every gradient; zero_grad and step do both; state_dict is
+    {"adamw": ..., "muon": ...}. Not an Optimizer subclass: it holds no parameters of its own."""
+
+    name = "muon"
+
+    def __init__(self, adamw, muon):
+        self.parts = {"adamw": adamw, "muon": muon}
+
+    @property
+    def adamw(self):
+        return self.parts["adamw"]
+
+    @property
+    def muon(self):
+        return self.parts["muon"]
+
+    @property
+    def param_groups(self):
+        return [group for part in self.parts.values() for group in part.param_groups]
+
+    @property
+    def state(self):
+        return {**self.adamw.state, **self.muon.state}
+
+    def zero_grad(self, set_to_none=True):
+        for part in self.parts.values():
+            part.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonAdamW.step takes no closure")
+        for part in self.parts.values():
+            part.step()
+
+    def state_dict(self):
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state_dict, load_part=None):
+        """Each child from its own entry, by load_part(child, its state dict) (default: the
+        child's load_state_dict; checkpoint.load_optimizer_state keeps AdamW's kernel flags).
+        This run's lr_scale stays: a resume under another --muon_lr runs at it, as one under
+        another --max_lr runs at that."""
+        scales = [group["lr_scale"] for group in self.muon.param_groups]
+        for name, part in self.parts.items():
+            if load_part is None:
+                part.load_state_dict(state_dict[name])
+            else:
+                load_part(part, state_dict[name])
+        for group, scale in zip(self.muon.param_groups, scales):
+            group["lr_scale"] = scale
+
+
+def build_optimizer(raw_model, name, weight_decay, lr, device_type, fused_adamw=None, muon_lr=0.02,
+                    muon_momentum=0.95, muon_weight_decay=0.1):
+    """The optimizer of --optimizer name: configure_optimizers' AdamW (adamw), or a MuonAdamW
+    whose AdamW is configure_optimizers' less muon_params, at peak lr, and whose Muon peaks at
+    muon_lr (nesterov, torch's Newton-Schulz defaults)."""
+    if name == "adamw":
+        return raw_model.configure_optimizers(weight_decay, lr, device_type, fused=fused_adamw)
+    if name != "muon":
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {name!r}")
+    matrices = muon_params(raw_model)
+    adamw = raw_model.configure_optimizers(weight_decay, lr, device_type, fused=fused_adamw, exclude=matrices)
+    muon = torch.optim.Muon([{"params": matrices, "lr_scale": muon_lr / lr}], lr=muon_lr,
+                            weight_decay=muon_weight_decay, momentum=muon_momentum)
+    return MuonAdamW(adamw, muon)
+
+
+def optimizer_name(optimizer):
+    """"muon" for a MuonAdamW, "adamw" for anything else (configure_optimizers' AdamW)."""
+    return getattr(optimizer, "name", "adamw")

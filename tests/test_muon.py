@@ -1,0 +1,343 @@
+"""--optimizer muon: torch.optim.Muon on the blocks' matrices, the recipe's AdamW on the rest; the
+step equals torch's optimizers applied by hand, the default AdamW path is unchanged, and every
+promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
+the step log, --plan) holds with it."""
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import memory
+import muon
+import train_gpt2
+from conftest import run_torchrun, write_token_shards
+from data import ShardLoader, list_shards
+from model import GPT, GPTConfig
+
+# The small flags of tests/test_train.py's TINY (copied: no import from another test module).
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
+        "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
+        "--compile", "0", "--device", "cpu", "--dtype", "float32", "--eval_interval", "0"]
+TINY_CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256)
+STEPS = ["--total_batch_size", "256", "-B", "8"]
+MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Muon's Newton-Schulz matmuls are many and tiny: on a busy CPU two threads make each one
+    thousands of times slower than one thread does. Only the speed changes, not a result."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("shards")
+    write_token_shards(directory)
+    return str(directory)
+
+
+def train(data_dir, log_dir, *flags):
+    train_gpt2.main(TINY + ["--data_dir", data_dir, "--log_dir", str(log_dir), *map(str, flags)])
+    return read_log(log_dir)
+
+
+def read_log(log_dir):
+    with open(os.path.join(log_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_records(records):
+    return [r for r in records if "train_loss" in r]
+
+
+def final_weights(log_dir, step):
+    return checkpoint.load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt"))["model"]
+
+
+def error_of(capsys, *flags):
+    """The one line on stderr with which train_gpt2.main(TINY + flags) exits non-zero, in-process."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.main(TINY + [str(f) for f in flags])
+    assert exit_info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+class OneBatch:
+    """A loader that gives the same batch every time."""
+    def __init__(self, x, y):
+        self.batch = x, y
+
+    def next_batch(self):
+        return self.batch
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**TINY_CONFIG))
+
+
+def batch(seed=0):
+    x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(seed))
+    return x[:, :-1], x[:, 1:]
+
+
+def block_matrices(model):
+    return [m.weight for b in model.transformer.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+
+
+def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
+    """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
+    in place of its GradScaler when given."""
+    t = train_gpt2.build_trainable(model, "cpu", torch.float32, 1, grad_clip=grad_clip, weight_decay=0.1, lr=3e-3,
+                                   optimizer=optimizer, **kw)
+    if scaler is not None:
+        t.scaler = scaler
+    return t
+
+
+def test_every_parameter_belongs_to_exactly_one_optimizer():
+    model = tiny_model()
+    optimizer = trainable(model, "muon", muon_lr=0.02, muon_momentum=0.9, muon_weight_decay=0.05).optimizer
+    assert isinstance(optimizer, muon.MuonAdamW) and isinstance(optimizer.adamw, torch.optim.AdamW)
+    muon_ids = [id(p) for g in optimizer.muon.param_groups for p in g["params"]]
+    adamw_ids = [id(p) for g in optimizer.adamw.param_groups for p in g["params"]]
+    # Muon: exactly the four matrices of each block, as nn.Linear holds them, (out, in).
+    assert muon_ids == [id(p) for p in block_matrices(model)] and len(muon_ids) == 4 * 2
+    assert [tuple(p.shape) for p in block_matrices(model)[:4]] == [(96, 32), (32, 32), (128, 32), (32, 128)]
+    assert len(set(muon_ids + adamw_ids)) == len(muon_ids) + len(adamw_ids) == len(list(model.parameters()))
+    # AdamW: configure_optimizers' split and hyperparameters, less the matrices: the tied embedding
+    # and head and the position embedding decay; biases and LayerNorms do not.
+    decay, no_decay = optimizer.adamw.param_groups
+    assert [id(p) for p in decay["params"]] == [id(model.transformer.wte.weight), id(model.transformer.wpe.weight)]
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in no_decay["params"])
+    reference = model.configure_optimizers(0.1, 3e-3, "cpu").param_groups[0]
+    for key in ("lr", "betas", "eps", "fused", "foreach", "amsgrad"):
+        assert decay[key] == reference[key], key
+    (group,) = optimizer.muon.param_groups
+    assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]) == (0.02, 0.9, 0.05, True)
+    assert group["lr_scale"] == 0.02 / 3e-3
+    assert optimizer.param_groups == optimizer.adamw.param_groups + optimizer.muon.param_groups
+
+
+def test_a_muon_step_equals_torchs_muon_and_adamw_applied_by_hand():
+    """Three steps of train_step (float32, CPU, no clipping) against torch.optim.Muon on the
+    blocks' matrices and torch.optim.AdamW on the rest, stepped by hand: the same weights, bit for bit."""
+    model, reference = tiny_model(), tiny_model()
+    t = trainable(model, "muon", muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.1)
+    matrices = block_matrices(reference)
+    others = [p for p in reference.parameters() if all(p is not m for m in matrices)]
+    by_hand_muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    by_hand_adamw = torch.optim.AdamW([{"params": [p for p in others if p.dim() >= 2], "weight_decay": 0.1},
+                                       {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0}],
+                                      lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=False)
+    x, y = batch()
+    for lr in (1e-3, 3e-3, 2e-3):
+        result = train_gpt2.train_step(t, OneBatch(x, y), lr)
+        by_hand_muon.zero_grad()
+        by_hand_adamw.zero_grad()
+        loss = reference(x, y)[1]
+        loss.backward()
+        for group in by_hand_adamw.param_groups:
+            group["lr"] = lr
+        by_hand_muon.param_groups[0]["lr"] = lr * (0.02 / 3e-3)
+        by_hand_adamw.step()
+        by_hand_muon.step()
+        assert result.loss == loss.item() and result.muon_lr == lr * (0.02 / 3e-3)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(t.optimizer.muon.state[block_matrices(model)[0]]["momentum_buffer"],
+                       by_hand_muon.state[matrices[0]]["momentum_buffer"])
+
+
+def test_the_default_adamw_path_is_plain_adamw_unchanged():
+    """--optimizer adamw (the default): configure_optimizers' AdamW itself, every group at the
+    scheduled lr, the same weights as AdamW stepped by hand, bit for bit."""
+    model, reference = tiny_model(), tiny_model()
+    t = trainable(model)
+    assert type(t.optimizer) is torch.optim.AdamW and train_gpt2.parse_args([]).optimizer == "adamw"
+    by_hand = reference.configure_optimizers(0.1, 3e-3, "cpu")
+    assert all("lr_scale" not in g for g in t.optimizer.param_groups)
+    x, y = batch()
+    for lr in (1e-3, 3e-3, 2e-3):
+        result = train_gpt2.train_step(t, OneBatch(x, y), lr)
+        by_hand.zero_grad()
+        reference(x, y)[1].backward()
+        for group in by_hand.param_groups:
+            group["lr"] = lr
+        by_hand.step()
+        assert result.muon_lr is None and [g["lr"] for g in t.optimizer.param_groups] == [lr, lr]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_non_finite_step_leaves_both_optimizers_untouched_also_under_fp16_loss_scaling():
+    x, y = batch()
+    poison = lambda loss: loss * float("nan")  # noqa: E731
+    for scaler in (torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu", init_scale=1024.0)):
+        model = tiny_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        t = trainable(model, "muon", scaler=scaler)
+        assert train_gpt2.train_step(t, OneBatch(x, y), 3e-3, poison=poison).skipped  # the trainer's own skip
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert not t.optimizer.muon.state and not t.optimizer.adamw.state
+    # Under fp16 loss scaling an overflow in a gradient is the scaler's to skip: one in a matrix
+    # only Muon steps shows that GradScaler.unscale_ looked at Muon's gradients too.
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainable(model, "muon", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda grad: grad * float("inf"))
+    result = train_gpt2.train_step(t, OneBatch(x, y), 3e-3)
+    assert not result.skipped and not torch.isfinite(torch.tensor(result.grad_norm))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not t.optimizer.muon.state and not t.optimizer.adamw.state and t.scaler.get_scale() == 512.0
+
+
+def test_fp16_loss_scaling_unscales_both_optimizers_gradients():
+    """GradScaler.unscale_ and step through MuonAdamW: the step equals the unscaled one (a scale
+    of 2**10 and its inverse are exact in float32) and the norm is the true gradients'."""
+    x, y = batch()
+    results, weights = [], []
+    for scaler in (torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu", init_scale=1024.0)):
+        model = tiny_model()
+        t = trainable(model, "muon", scaler=scaler, grad_clip=1.0)
+        results.append([train_gpt2.train_step(t, OneBatch(x, y), 3e-3) for _ in range(2)])
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert [r.grad_norm for r in results[1]] == pytest.approx([r.grad_norm for r in results[0]], rel=1e-5)
+    assert not any(r.skipped for r in results[1])
+    for a, b in zip(*weights):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_resume_of_muon_is_exact_and_its_momentum_is_in_the_checkpoint(shards, tmp_path):
+    full = train(shards, tmp_path / "full", *STEPS, *MUON, "--max_steps", "8", "--checkpoint_interval", "4")
+    resumed = train(shards, tmp_path / "resumed", *STEPS, *MUON, "--max_steps", "8",
+                    "--resume", tmp_path / "full" / "ckpt_000004.pt")
+    tail = [r for r in train_records(full) if r["step"] >= 4]
+    assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in tail]
+    for key, tensor in final_weights(tmp_path / "full", 8).items():
+        assert torch.equal(tensor, final_weights(tmp_path / "resumed", 8)[key]), key
+    saved = checkpoint.load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
+    assert set(saved["optimizer"]) == {"adamw", "muon"} and saved["args"]["optimizer"] == "muon"
+    buffers = [s["momentum_buffer"] for s in saved["optimizer"]["muon"]["state"].values()]
+    assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)
+
+
+def test_gradient_accumulation_with_muon_equals_one_big_batch(shards, tmp_path):
+    one = train(shards, tmp_path / "one", "--total_batch_size", "256", "-B", "8", "--max_steps", "4", *MUON)
+    four = train(shards, tmp_path / "four", "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *MUON)
+    assert [r["train_loss"] for r in train_records(four)] == pytest.approx(
+        [r["train_loss"] for r in train_records(one)], rel=2e-5)
+    assert_close_under_muon(final_weights(tmp_path / "one", 4), final_weights(tmp_path / "four", 4))
+
+
+def assert_close_under_muon(a, b):
+    """Weights after a few Muon steps from gradients summed in another order (micro-steps, ranks).
+    torch's Newton-Schulz iteration runs in bfloat16: a float32 difference in the last bits of a
+    gradient can round an entry of the momentum apart, and five iterations spread it over the
+    update, so the matrices agree to about a tenth of one step's update (lr 0.02 times entries of
+    about 1/sqrt(32)), not to float32's rounding; the AdamW parameters stay close."""
+    for key, tensor in a.items():
+        assert torch.allclose(tensor, b[key], atol=3e-3 if tensor.dim() == 2 and "transformer.h." in key else 3e-4), key
+
+
+def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch):
+    stepped = []
+    real_step = torch.optim.Muon.step
+
+    def recording_step(self, *args, **kwargs):
+        stepped.append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.Muon, "step", recording_step)
+    flags = [*STEPS, *MUON, "--max_steps", "4"]
+    records = train_records(train(shards, tmp_path, *flags))
+    args = train_gpt2.parse_args(TINY + flags)
+    expected = [train_gpt2.get_lr(step, args) for step in range(4)]
+    assert [r["lr"] for r in records] == expected
+    assert [r["muon_lr"] for r in records] == stepped == [lr * (0.02 / 3e-3) for lr in expected]
+    assert max(stepped) == pytest.approx(0.02)
+
+
+def test_ddp_with_muon_on_two_processes_equals_one_process(shards, tmp_path):
+    single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4", *MUON)
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
+                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *MUON)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world size 2" in result.stdout and "optimizer: Muon" in result.stdout
+    ddp = read_log(tmp_path / "ddp")
+    assert [r["train_loss"] for r in train_records(ddp)] == pytest.approx(
+        [r["train_loss"] for r in train_records(single)], rel=1e-5)
+    assert_close_under_muon(final_weights(tmp_path / "single", 4), final_weights(tmp_path / "ddp", 4))
+
+
+def test_resume_into_the_other_optimizer_is_refused_in_one_line(shards, tmp_path, capsys):
+    train(shards, tmp_path / "adamw", *STEPS, "--max_steps", "2")
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "adamw", *STEPS, "--max_steps", "4",
+                       *MUON)
+    assert "is a run of --optimizer adamw, this one is of --optimizer muon" in message
+    train(shards, tmp_path / "muon", *STEPS, "--max_steps", "2", *MUON)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "muon", *STEPS, "--max_steps", "4")
+    assert "is a run of --optimizer muon, this one is of --optimizer adamw" in message
+
+
+def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
+    model = tiny_model()
+    loader = ShardLoader(list_shards(shards, "train"), 2, 32)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    args = train_gpt2.parse_args([])
+    del args.optimizer  # as the trainer saved its args before --optimizer
+    state = checkpoint.training_state(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, args)
+    assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                       scaler, loader) == 3
+    with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
+                                                         "--optimizer muon"):
+        checkpoint.restore_training(state, "ckpt", model, muon.build_optimizer(model, "muon", 0.1, 1e-3, "cpu"),
+                                    scaler, loader)
+
+
+def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr(shards):
+    model = tiny_model()
+    loader = ShardLoader(list_shards(shards, "train"), 2, 32)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    saved = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cuda", fused_adamw=True, muon_lr=0.02)
+    state = checkpoint.training_state(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON))
+    optimizer = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cpu", muon_lr=0.04)
+    assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
+    assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
+    assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
+
+
+def test_fsdp_with_muon_is_refused_in_one_line(shards, tmp_path, capsys):
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *STEPS, "--max_steps", "2", "--fsdp", "1",
+                       *MUON)
+    assert "--optimizer muon orthogonalizes whole matrices" in message and "--fsdp 0" in message
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_plan_counts_one_buffer_per_muon_parameter(capsys):
+    train_gpt2.main(["--plan"])
+    adamw = capsys.readouterr().out
+    train_gpt2.main(["--plan", "--optimizer", "muon"])
+    muon_out = capsys.readouterr().out
+    config = train_gpt2.model_config(train_gpt2.parse_args([]))
+    by_adamw, by_muon = memory.plan(config, 64, 1024), memory.plan(config, 64, 1024, optimizer="muon")
+    assert by_adamw.optimizer - by_muon.optimizer == 4 * 12 * 12 * 768 * 768 == 4 * memory.n_muon_params(config)
+    assert by_muon.total < by_adamw.total and by_muon.weights == by_adamw.weights
+    line = [line for line in muon_out.splitlines() if line.strip().startswith("optimizer ")]
+    assert line == [f"  {'optimizer':<12} {by_muon.optimizer / memory.GiB:8.2f} GiB"]
+    assert f"{by_adamw.optimizer / memory.GiB:8.2f} GiB" in adamw and "optimizer muon" in muon_out
+    assert memory.n_muon_params(GPTConfig(**TINY_CONFIG)) == sum(p.numel() for p in muon.muon_params(tiny_model()))
