@@ -2,7 +2,6 @@
 step equals torch's optimizers applied by hand, the default AdamW path is unchanged, and every
 promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
 the step log, --plan) holds with it."""
-import json
 import os
 
 import pytest
@@ -12,15 +11,10 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import run_torchrun, write_token_shards
+from conftest import TINY, TINY_CONFIG, error_of, final_weights, read_log, run_torchrun, train, train_records
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
-# The small flags of tests/test_train.py's TINY (copied: no import from another test module).
-TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
-        "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
-        "--compile", "0", "--device", "cpu", "--dtype", "float32", "--eval_interval", "0"]
-TINY_CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256)
 STEPS = ["--total_batch_size", "256", "-B", "8"]
 MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]
 
@@ -33,41 +27,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shards")
-    write_token_shards(directory)
-    return str(directory)
-
-
-def train(data_dir, log_dir, *flags):
-    train_gpt2.main(TINY + ["--data_dir", data_dir, "--log_dir", str(log_dir), *map(str, flags)])
-    return read_log(log_dir)
-
-
-def read_log(log_dir):
-    with open(os.path.join(log_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_records(records):
-    return [r for r in records if "train_loss" in r]
-
-
-def final_weights(log_dir, step):
-    return checkpoint.load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt"))["model"]
-
-
-def error_of(capsys, *flags):
-    """The one line on stderr with which train_gpt2.main(TINY + flags) exits non-zero, in-process."""
-    with pytest.raises(SystemExit) as exit_info:
-        train_gpt2.main(TINY + [str(f) for f in flags])
-    assert exit_info.value.code != 0
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 class OneBatch:
