@@ -421,14 +421,15 @@ def profile_table(events, seconds, n_steps, device_type):
     """Milliseconds per step and share of the step of each category, and idle, from the profiler's
     events (prof.events()), counting self time only so that nothing nested is counted twice: on
     CUDA the device's kernels and copies (self_device_time_total; the operators that launched them are
-    not counted again), by their names; elsewhere the aten operators (self_cpu_time_total; the
+    not counted again, nor record_function's spans on the GPU's timeline, as torch's own table sums
+    them), by their names; elsewhere the aten operators (self_cpu_time_total; the
     autograd engine's and record_function's wrappers are not operators), by operator_category.
     Shares are of the steps' wall time, or of the categories' sum where that is longer (streams that
     overlap): they add up to 100 with idle."""
     on_device = device_type == "cuda"
     micros = dict.fromkeys([category for category, _ in PROFILE_CATEGORIES], 0.0)
     for e in events:
-        if on_device and e.device_type == torch.autograd.DeviceType.CUDA:
+        if on_device and e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
             micros[profile_category(e.name)] += e.self_device_time_total
         elif not on_device and e.name.startswith("aten::"):
             micros[operator_category(e)] += e.self_cpu_time_total

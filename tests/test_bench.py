@@ -270,17 +270,18 @@ def test_on_the_cpu_an_element_wise_operator_takes_the_category_around_it():
     assert bench.operator_category(copy) == "copies"  # its own name first
 
 
-def event(name, device_type, self_cpu=0.0, self_device=0.0, parent=None):
+def event(name, device_type, self_cpu=0.0, self_device=0.0, parent=None, annotation=False):
     return SimpleNamespace(name=name, device_type=device_type, self_cpu_time_total=self_cpu,
-                           self_device_time_total=self_device, cpu_parent=parent)
+                           self_device_time_total=self_device, cpu_parent=parent, is_user_annotation=annotation)
 
 
 def test_the_profile_counts_each_moment_once():
     """On CUDA the kernels (not the operators that launched them, whose self device time is theirs
-    again); on the CPU the aten operators' self time (not the autograd engine's wrappers)."""
+    again, nor an annotation's span on the GPU); on the CPU the aten operators' self time (not the
+    autograd engine's wrappers)."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     wrapper = event("autograd::engine::evaluate_function: AddmmBackward0", cpu, self_cpu=100)
-    events = [wrapper, event("aten::mm", cpu, self_cpu=300, self_device=400, parent=wrapper),
+    events = [wrapper, event("Optimizer.step#AdamW.step", cuda, self_device=300, annotation=True), event("aten::mm", cpu, self_cpu=300, self_device=400, parent=wrapper),
               event("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", cuda, self_device=400),
               event("Memcpy HtoD (Pinned -> Device)", cuda, self_device=100)]
     on_cuda = bench.profile_table(events, 1e-3, 1, "cuda")["rows"]
