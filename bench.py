@@ -100,7 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--n_head", type=fineweb.positive_int, default=None)
     p.add_argument("--n_embd", type=fineweb.positive_int, default=None)
     p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
-                   help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
+                   help="sequences per micro-step (forward-backward pass) for train; a comma-separated list "
+                        "times each (e.g. 32,64,128)")
     p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None)
     p.add_argument("--total_batch_size", type=fineweb.positive_int, default=None,
                    help="train: tokens per optimizer step, as the trainer's flag: total/(B*T) micro-steps of "
