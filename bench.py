@@ -7,7 +7,9 @@ device's dense matmul rate, the ceiling the FLOP rates are read against. It asse
     python bench.py --json bench/results/NAME.json    # also write the results as JSON
     python bench.py --parts train --levers            # also the project with each lever switched off or on
     python bench.py --parts train --levers recompute_full,chunked_loss   # only those levers
-    python bench.py --parts train -B 64,96,128        # several batch sizes (out of memory is recorded)
+    python bench.py --parts train -B 32,64,128        # several batch sizes (out of memory is recorded)
+    python bench.py --parts train --profile --json X.json   # also where a step's time goes; trace X.trace.json
+    python bench.py --parts train --total_batch_size 1048576   # train's tokens per optimizer step (accumulation)
 
 MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N without the
 position embedding) against the device's dense bf16 peak.
@@ -15,6 +17,7 @@ position embedding) against the device's dense bf16 peak.
 import argparse
 import datetime
 import gc
+import re
 import json
 import multiprocessing
 import os
@@ -24,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -39,7 +43,7 @@ from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from train_gpt2 import build_trainable, train_step
+from train_gpt2 import build_parser as trainer_parser, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 # What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
@@ -53,6 +57,31 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
 # --recompute mode cost in time (and, on CUDA, save in peak memory).
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
+# train times the trainer's optimizer step: total_batch_size / (B*T) micro-steps. The GPU size's
+# total is the trainer's default (its parser owns the number); on a CPU and with --quick, where
+# that would take minutes a step, it is SMALL_ACCUM micro-batches of each -B.
+TRAINER_TOTAL_BATCH = trainer_parser().get_default("total_batch_size")
+SMALL_ACCUM = 2
+# --profile's categories, from the names of the operators (aten::..., on the CPU) and of the device's
+# kernels (on CUDA): the first whose pattern (a regular expression, searched for, case ignored) is found
+# in the name wins. Attention comes before matmul: flash and memory-efficient kernels are CUTLASS
+# GEMMs too. The math attention is its parts (bmm: matmul, softmax: element-wise). On the CPU an
+# operator that is element-wise by its own name takes the category of the nearest operator or
+# annotation around it that has one: AdamW's mul_ and lerp_ inside Optimizer.step are the optimizer's.
+PROFILE_CATEGORIES = (
+    ("attention", r"scaled_dot_product|attention|flash|sdpa|fmha"),
+    ("matmul", r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv|mv|dot)$|gemm|cutlass|xmma|nvjet|triton_tem"),
+    ("normalization", r"layer_norm|layernorm|GammaBeta"),
+    ("loss", r"cross_entropy|log_?softmax|nll_loss"),
+    ("optimizer", r"adam|_foreach_|multi_tensor_apply|lpnorm|Optimizer\.step"),
+    ("copies", r"memcpy|^aten::(copy_|_to_copy|to|pin_memory|_pin_memory)$|direct_copy_kernel"),
+    ("element-wise", r""),  # everything else: gelu, add, mul, embedding, fused Triton kernels...
+)
+PROFILE_IDLE = {  # what the idle row is, by where the step ran
+    "cpu": "the steps' wall time outside every aten operator's self time: Python, the autograd engine, the "
+           "data loader, the profiler's own bookkeeping",
+    "cuda": "the steps' wall time in which no kernel or copy ran on the GPU (the kernels' times summed, "
+            "as if on one stream)"}
 
 
 def parse_args(argv=None):
@@ -72,10 +101,20 @@ def parse_args(argv=None):
     p.add_argument("--n_head", type=fineweb.positive_int, default=None, help="attention heads for train (default: by device)")
     p.add_argument("--n_embd", type=fineweb.positive_int, default=None, help="model width for train (default: by device)")
     p.add_argument("-B", "--micro_batch_size", type=batch_sizes, default=None,
-                   help="sequences per step for train; a comma-separated list times each (e.g. 64,96,128)")
-    p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None, help="tokens per sequence for train (default: by device)")
-    p.add_argument("--steps", type=fineweb.positive_int, default=None, help="timed training steps (after warm-up)")
+                   help="sequences per micro-step (forward-backward pass) for train; a comma-separated list "
+                        "times each (e.g. 32,64,128)")
+    p.add_argument("-T", "--seq_len", type=fineweb.positive_int, default=None,
+                   help="tokens per sequence for train (default: by device)")
+    p.add_argument("--total_batch_size", type=fineweb.positive_int, default=None,
+                   help="train: tokens per optimizer step, as the trainer's flag: total/(B*T) micro-steps of "
+                        f"gradient accumulation (default: the trainer's {TRAINER_TOTAL_BATCH:,} at the GPU size; "
+                        f"{SMALL_ACCUM} micro-batches on a CPU and with --quick)")
+    p.add_argument("--steps", type=fineweb.positive_int, default=None, help="timed optimizer steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
+    p.add_argument("--profile", action="store_true",
+                   help="train: also profile the project's step (at the first -B) with torch.profiler: a table of "
+                        "its time by category, and the Chrome trace beside --json (X.json: X.trace.json; "
+                        "without --json: bench.trace.json)")
     args = p.parse_args(argv)
     # Every check here, before anything is timed: a mistake must not cost a GPU's benchmark run.
     args.parts = args.parts.split(",")
@@ -96,9 +135,21 @@ def parse_args(argv=None):
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
     if "train" in args.parts:
+        for B in cfg["micro_batch_size"]:
+            total, tokens_per_pass = total_batch(cfg, B), B * cfg["seq_len"]
+            if total % tokens_per_pass:  # as the trainer refuses it; a Fraction, not a float, for absurd sizes
+                suggestion = max(1, round(Fraction(total, tokens_per_pass))) * tokens_per_pass
+                p.error(f"--total_batch_size {total} is not a multiple of B*T = {B}*{cfg['seq_len']} = "
+                        f"{tokens_per_pass}; try --total_batch_size {suggestion} or another -B")
         check_train_fits(p, cfg, args.device)
     if args.json:
         p.check_output("--json", args.json)
+    args.trace = None
+    if args.profile:
+        if "train" not in args.parts:
+            p.error("--profile profiles train's step: --parts must include train")
+        args.trace = os.path.splitext(args.json)[0] + ".trace.json" if args.json else "bench.trace.json"
+        p.check_output("--profile's trace", args.trace)
     return args
 
 
@@ -111,9 +162,10 @@ def check_train_fits(p, cfg, device):
         p.fail(problem)
     have = device_memory("cpu")
     if SHARD_BYTES_PER_TOKEN * shard_tokens(cfg) > have:  # named by its flags: the product may have thousands of digits
-        p.fail(f"train's random tokens, (--steps {cfg['steps']} + --warmup {cfg['warmup']} + 1) x "
-               f"-B {max(cfg['micro_batch_size'])} x -T {cfg['seq_len']}, do not fit in the host's "
-               f"{have / memory.GiB:,.0f} GiB of memory")
+        per_step = (f"--total_batch_size {cfg['total_batch_size']}" if cfg["total_batch_size"] else
+                    f"{SMALL_ACCUM} micro-steps x -B {max(cfg['micro_batch_size'])} x -T {cfg['seq_len']}")
+        p.fail(f"train's random tokens, (--steps {cfg['steps']} + --warmup {cfg['warmup']} + 1) x {per_step}, "
+               f"do not fit in the host's {have / memory.GiB:,.0f} GiB of memory")
 
 
 def lever_names(text):
@@ -128,13 +180,19 @@ def batch_sizes(text):
 
 
 def train_config(args, device_type):
-    """GPT-2 (124M) at B=64, T=1024 on a GPU; a small GPT on a CPU; a tiny one with --quick."""
+    """GPT-2 (124M) at B=64, T=1024 and the trainer's total batch on a GPU; a small GPT on a CPU; a
+    tiny one with --quick. total_batch_size None: SMALL_ACCUM micro-batches of each -B (total_batch).
+    On a CPU the step is SMALL_ACCUM micro-steps, so fewer steps: (3 + 1) x 2 micro-steps, about
+    the (5 + 2) x 1 timed before the step accumulated."""
     if args.quick:
-        size = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=[2], seq_len=64, steps=2, warmup=1)
+        size = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=[2], seq_len=64, steps=2, warmup=1,
+                    total_batch_size=None)
     elif device_type == "cuda":
-        size = dict(n_layer=12, n_head=12, n_embd=768, micro_batch_size=[64], seq_len=1024, steps=20, warmup=5)
+        size = dict(n_layer=12, n_head=12, n_embd=768, micro_batch_size=[64], seq_len=1024, steps=20, warmup=5,
+                    total_batch_size=TRAINER_TOTAL_BATCH)
     else:
-        size = dict(n_layer=4, n_head=4, n_embd=256, micro_batch_size=[8], seq_len=256, steps=5, warmup=2)
+        size = dict(n_layer=4, n_head=4, n_embd=256, micro_batch_size=[8], seq_len=256, steps=3, warmup=1,
+                    total_batch_size=None)
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in size.items()}
 
 
@@ -157,10 +215,16 @@ def bench_matmul(args, device, record):
 SHARD_BYTES_PER_TOKEN = 10  # drawn as int64, then copied to uint16 to be written
 
 
+def total_batch(cfg, B):
+    """Tokens per optimizer step at micro-batch B: --total_batch_size (or the size's default), or
+    SMALL_ACCUM micro-batches where the size has none."""
+    return cfg["total_batch_size"] or SMALL_ACCUM * B * cfg["seq_len"]
+
+
 def shard_tokens(cfg):
-    """Tokens of the shard bench_train writes: a batch at the largest -B for every step, warm-up
+    """Tokens of the shard bench_train writes: the largest step's tokens for every step, warm-up
     included, read once, and one token more for the last batch's targets."""
-    return (cfg["steps"] + cfg["warmup"] + 1) * max(cfg["micro_batch_size"]) * cfg["seq_len"] + 1
+    return (cfg["steps"] + cfg["warmup"] + 1) * max(total_batch(cfg, B) for B in cfg["micro_batch_size"]) + 1
 
 
 def train_model_config(cfg, vocab_size):
@@ -217,10 +281,21 @@ def bench_train(args, device, workdir, record):
             levers = train_levers(variant, lever, compile_model)
             result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
             result.update(time_train_run(cfg, B, levers, variant == "baseline", shard, device, dtype))
-            accumulation = f"({result.pop('micro_batch_size')}x{result.pop('grad_accum_steps')}) " if "grad_accum_steps" in result else ""
-            result["config"] = (f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} {accumulation}T{T} {str(dtype).split('.')[1]} "
+            micro = result["micro_batch_size"]
+            halved = f" (halved from {B})" if micro != B else ""
+            result["config"] = (f"L{cfg['n_layer']} C{cfg['n_embd']} B{micro}{halved} T{T} "
+                                f"accum={result['grad_accum_steps']} {str(dtype).split('.')[1]} "
                                 f"compile={int(levers['compile'] is not None)}")
             record(result)
+    if args.profile:
+        B = cfg["micro_batch_size"][0]
+        levers = train_levers("project", None, compile_model)
+        result = dict(name="profile", variant="project",
+                      config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} accum={total_batch(cfg, B) // (B * T)} "
+                             f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
+        result.update(profile_train_steps(cfg, B, total_batch(cfg, B) // (B * T), levers, shard, device, dtype,
+                                          args.trace))
+        record(result)
 
 
 def train_levers(variant, lever, compile_model):
@@ -239,45 +314,55 @@ def train_levers(variant, lever, compile_model):
 
 
 def time_train_run(cfg, B, levers, shrink_to_fit, shard, device, dtype):
-    """The figures of train_gpt2.train_step timed on a fresh model, or {"out_of_memory": True}, or
-    {"error": why}. With shrink_to_fit, a micro-batch that runs out of memory is halved, with twice
-    the gradient accumulation: the same tokens per step, at what fits."""
-    micro_batch_size = B
+    """The figures of train_gpt2.train_step, total_batch(cfg, B) tokens per optimizer step in
+    micro-steps of B, timed on a fresh model, or {"out_of_memory": True}, or {"error": why}; with
+    the micro-batch, accumulation and total batch. With shrink_to_fit, a micro-batch that runs out
+    of memory is halved, with twice the gradient accumulation: the same tokens per step, at what fits."""
+    total, micro_batch_size = total_batch(cfg, B), B
     while True:
-        result = time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype)
+        grad_accum_steps = total // (micro_batch_size * cfg["seq_len"])
+        result = time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype)
         if not (result.get("out_of_memory") and shrink_to_fit and micro_batch_size % 2 == 0):
             break
         micro_batch_size //= 2
-    if micro_batch_size != B:
-        result.update(micro_batch_size=micro_batch_size, grad_accum_steps=B // micro_batch_size)
-    return result
+    return dict(result, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, total_batch_size=total)
 
 
-def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
+def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype):
     device_type = device.split(":")[0]
     T = cfg["seq_len"]
+    tokens = micro_batch_size * grad_accum_steps * T  # per optimizer step
+
+    def measure(model, t, loader):
+        if device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = time_steps(lambda: train_step(t, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
+        peak = peak_flops(device)
+        return dict(tokens_per_sec=tokens / seconds, ms_per_step=1000 * seconds,
+                    mfu=model.flops_per_token(T) * tokens / seconds / peak if peak else None,
+                    peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+    return train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure)
+
+
+def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure):
+    """measure(model, t, loader) of a fresh model's Trainable and a loader of micro_batch_size: its
+    dict, or {"out_of_memory": True}, or {"error": why}."""
+    device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
     model = GPT(train_model_config(cfg, levers["vocab_size"])).to(device)
     t = None
     try:
-        t = build_trainable(model, device, dtype, B // micro_batch_size, compile_mode=levers["compile"],
+        t = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
                             fused_adamw=levers["fused_adamw"], attention=levers["attention"],
                             recompute=levers["recompute"], chunked_loss=levers["chunked_loss"])
-        loader = ShardLoader([shard], micro_batch_size, T)
-        if device_type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = time_steps(lambda: train_step(t, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
-        peak = peak_flops(device)
-        return dict(tokens_per_sec=B * T / seconds, ms_per_step=1000 * seconds,
-                    mfu=model.flops_per_token(T) * B * T / seconds / peak if peak else None,
-                    peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+        return measure(model, t, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}
     except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
         first_line = next(iter(str(e).strip().splitlines()), "")
         error = f"{type(e).__name__}: {first_line}"
-        print(f"warning: train B{B}: {levers}: {error}", file=sys.stderr)
+        print(f"warning: train B{micro_batch_size}: {levers}: {error}", file=sys.stderr)
         return {"error": error}
     finally:  # the next run starts with the device's memory free
         model = t = None
@@ -287,6 +372,90 @@ def time_train_steps(cfg, B, micro_batch_size, levers, shard, device, dtype):
                 torch.cuda.empty_cache()
             except RuntimeError:  # the device failed (an illegal memory access, say): recorded above, and in each run after
                 pass
+
+
+# ----------------------------------------------------------------------------- profile
+
+def profile_category(name):
+    """The category of an operator's or kernel's name: the first of PROFILE_CATEGORIES that matches."""
+    return next(category for category, pattern in PROFILE_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+
+
+def operator_category(event):
+    """The category of a CPU event: its name's, or where that is element-wise, that of the nearest
+    event around it whose name has another (see PROFILE_CATEGORIES)."""
+    while event is not None:
+        category = profile_category(event.name)
+        if category != "element-wise":
+            return category
+        event = event.cpu_parent
+    return "element-wise"
+
+
+def profile_steps(cfg):
+    return min(cfg["steps"], 3)
+
+
+def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, trace):
+    """train_step profiled for profile_steps(cfg) steps after max(1, --warmup) untimed ones (each
+    grad_accum_steps micro-steps); the Chrome trace written to trace. Returns the figures of
+    profile_table, with the number of steps and where the trace is, or {"out_of_memory": True} or
+    {"error": why}."""
+    device_type = device.split(":")[0]
+    n_steps = profile_steps(cfg)
+
+    def measure(model, t, loader):
+        for _ in range(max(1, cfg["warmup"])):
+            train_step(t, loader, 6e-4)  # it waits for the device: the profile starts on an idle one
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device_type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n_steps):
+                train_step(t, loader, 6e-4)
+            seconds = time.perf_counter() - t0
+        prof.export_chrome_trace(trace)
+        return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps, trace=trace)
+    return train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure)
+
+
+def profile_table(events, seconds, n_steps, device_type):
+    """Milliseconds per step and share of the step of each category, and idle, from the profiler's
+    events (prof.events()), counting self time only so that nothing nested is counted twice: on
+    CUDA the device's kernels and copies (self_device_time_total; the operators that launched them are
+    not counted again, nor record_function's spans on the GPU's timeline, as torch's own table sums
+    them), by their names; elsewhere the aten operators (self_cpu_time_total; the
+    autograd engine's and record_function's wrappers are not operators), by operator_category.
+    Shares are of the steps' wall time, or of the categories' sum where that is longer (streams that
+    overlap): they add up to 100 with idle."""
+    on_device = device_type == "cuda"
+    micros = dict.fromkeys([category for category, _ in PROFILE_CATEGORIES], 0.0)
+    for e in events:
+        if on_device and e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
+            micros[profile_category(e.name)] += e.self_device_time_total
+        elif not on_device and e.name.startswith("aten::"):
+            micros[operator_category(e)] += e.self_cpu_time_total
+    wall = 1e6 * seconds
+    whole = max(wall, sum(micros.values()))
+    micros["idle"] = whole - sum(micros.values())
+    rows = [dict(category=category, ms_per_step=us / 1000 / n_steps, share=100 * us / whole)
+            for category, us in micros.items()]
+    return dict(wall_ms_per_step=wall / 1000 / n_steps, rows=rows,
+                idle_means=PROFILE_IDLE["cuda" if on_device else "cpu"])
+
+
+def print_profile(result):
+    print(f"\nprofile of train's step: {result['config']}")
+    if "rows" not in result:
+        print("out of memory" if result.get("out_of_memory") else f"failed, {result.get('error')}")
+        return
+    print(f"{result['steps']} steps profiled, {result['wall_ms_per_step']:,.1f} ms per step under the profiler")
+    print(f"{'category':<14}{'ms/step':>10}{'share':>8}")
+    for row in result["rows"]:
+        print(f"{row['category']:<14}{row['ms_per_step']:>10,.1f}{row['share']:>7.1f}%")
+    print(f"idle: {result['idle_means']}")
+    print(f"trace: {result['trace']}")
 
 
 # ----------------------------------------------------------------------------- loader
@@ -534,7 +703,7 @@ def print_table(results):
             return f"{r['config']}: failed, {r['error']}"
         return r[key]
     rows = [[label(r, key) if key in ("name", "variant", "config") else fmt(r.get(key), unit) for _, key, unit in columns]
-            for r in results]
+            for r in results if r["name"] != "profile"]
     widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _, _) in enumerate(columns)]
     print("  ".join(title.ljust(w) for (title, _, _), w in zip(columns, widths)))
     for row in rows:
@@ -587,6 +756,9 @@ def main(argv=None):
         if "generate" in args.parts:
             bench_generate(args, device, record)
     print_table(report["results"])
+    for result in report["results"]:
+        if result["name"] == "profile":
+            print_profile(result)
 
 
 if __name__ == "__main__":

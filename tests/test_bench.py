@@ -1,6 +1,7 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,7 +93,11 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
              (["-B", "64,0"], "-B/--micro_batch_size: '0' is not a positive integer"),
              (["--warmup", "-1"], "--warmup must be 0 or more"),
              (["--levers", "recompute_full,foo"], "unknown lever(s) foo"),
-             (["--levers", "max_autotune", "--device", "cpu"], "--levers: max_autotune: not a lever of the project on cpu")]
+             (["--levers", "max_autotune", "--device", "cpu"], "--levers: max_autotune: not a lever of the project on cpu"),
+             (["--total_batch_size", "100"], "--total_batch_size 100 is not a multiple of B*T = 2*64 = 128; "
+                                             "try --total_batch_size 128 or another -B"),
+             (["-B", "2,3", "--total_batch_size", "256"], "not a multiple of B*T = 3*64 = 192"),
+             (["--profile", "--parts", "matmul"], "--profile profiles train's step: --parts must include train")]
     (tmp_path / "file").write_text("")
     for flags, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -112,10 +117,15 @@ def quick_gpt(n_layer=2, n_embd=64, block_size=64):
 @pytest.mark.parametrize("flags, expected", [
     (["--n_embd", 10**6], quick_gpt(n_embd=10**6)), (["--n_layer", 10**12], quick_gpt(n_layer=10**12)),
     (["-T", 10**12], quick_gpt(block_size=10**12)), (["--n_embd", 10**400], "a GPT of these sizes needs more than"),
-    (["-B", f"2,{10**12}"], f"train's random tokens, (--steps 2 + --warmup 1 + 1) x -B {10**12} x -T 64, do not fit"),
-    (["--steps", 10**12], f"train's random tokens, (--steps {10**12} + --warmup 1 + 1) x -B 2 x -T 64, do not fit"),
-    (["--warmup", 10**12], f"train's random tokens, (--steps 2 + --warmup {10**12} + 1) x -B 2 x -T 64, do not fit")],
-    ids=["n_embd", "n_layer", "seq_len", "past_a_float", "micro_batch_size", "steps", "warmup"])
+    (["-B", f"2,{10**12}"],
+     f"train's random tokens, (--steps 2 + --warmup 1 + 1) x 2 micro-steps x -B {10**12} x -T 64, do not fit"),
+    (["--total_batch_size", 128 * 10**12],
+     f"train's random tokens, (--steps 2 + --warmup 1 + 1) x --total_batch_size {128 * 10**12}, do not fit"),
+    (["--steps", 10**12],
+     f"train's random tokens, (--steps {10**12} + --warmup 1 + 1) x 2 micro-steps x -B 2 x -T 64, do not fit"),
+    (["--warmup", 10**12],
+     f"train's random tokens, (--steps 2 + --warmup {10**12} + 1) x 2 micro-steps x -B 2 x -T 64, do not fit")],
+    ids=["n_embd", "n_layer", "seq_len", "past_a_float", "micro_batch_size", "total_batch_size", "steps", "warmup"])
 def test_train_sizes_the_machine_cannot_hold_stop_with_one_line_before_anything_is_allocated(tmp_path, capsys, flags,
                                                                                              expected):
     """The model as the trainer checks it (memory.fit_problem), and the shard of random tokens that
@@ -148,7 +158,8 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
     """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
     train_gpt2.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
-    too large for the device, halves it and accumulates twice as often: the same tokens per step."""
+    too large for the device, halves it and accumulates twice as often: the same tokens per step
+    (--quick's default: two micro-batches of -B)."""
     import train_gpt2
 
     built, stepped, flash = [], [], []
@@ -172,11 +183,13 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     monkeypatch.setattr(bench, "train_step", step)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
-    assert [(r["variant"], r.get("lever"), r["config"].split()[2:4]) for r in results] == [
-        ("project", None, ["B8", "T64"]), ("baseline", None, ["B8", "(2x4)"]),
-        ("project", "-padded_vocab", ["B8", "T64"]), ("project", "-flash_attention", ["B8", "T64"]),
-        ("project", "+chunked_loss", ["B8", "T64"]), *[("project", f"+recompute_{mode}", ["B8", "T64"])
-                                                       for mode in ("full", "attn", "core_attn")]]
+    batch = [r["config"].split(" float32")[0].split(" ", 2)[2] for r in results]
+    assert [(r["variant"], r.get("lever"), b) for r, b in zip(results, batch)] == [
+        ("project", None, "B8 T64 accum=2"), ("baseline", None, "B2 (halved from 8) T64 accum=8"),
+        *[("project", lever, "B8 T64 accum=2") for lever in ("-padded_vocab", "-flash_attention", "+chunked_loss",
+                                                             "+recompute_full", "+recompute_attn",
+                                                             "+recompute_core_attn")]]
+    assert {r["total_batch_size"] for r in results} == {2 * 8 * 64}
     assert all(r["tokens_per_sec"] > 0 for r in results)
     levers = [(kw["attention"], kw["fused_adamw"], kw["compile_mode"], a[0].config.vocab_size, kw["chunked_loss"],
                kw["recompute"]) for a, kw in built]
@@ -184,5 +197,121 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     assert levers == [project, baseline, baseline, baseline, ("auto", None, None, 50257, False, "none"),
                       ("math", None, None, 50304, False, "none"), ("auto", None, None, 50304, True, "none"),
                       *[("auto", None, None, 50304, False, mode) for mode in ("full", "attn", "core_attn")]]
-    assert {(accum, B) for accum, B in stepped} == {(1, 8), (2, 4), (4, 2)}
+    assert {(accum, B) for accum, B in stepped} == {(2, 8), (4, 4), (8, 2)}
     assert set(flash) == {("auto", True), ("math", False)}
+
+
+@pytest.mark.parametrize("flags, B, accumulation", [([], 2, 2), (["--total_batch_size", "384"], 2, 3),
+                                                    (["-B", "1", "--total_batch_size", "256"], 1, 4)])
+def test_train_times_the_trainers_step_with_its_gradient_accumulation(tmp_path, flags, B, accumulation):
+    """An optimizer step of train is total_batch_size / (B*T) forward-backward passes, counted by a
+    hook on every GPT forward and one on every optimizer step: --quick's default is two micro-batches."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    forwards, steps = [], []
+    hooks = [torch.nn.modules.module.register_module_forward_hook(
+                 lambda module, args, out: forwards.append(args[0].shape) if isinstance(module, bench.GPT) else None),
+             register_optimizer_step_post_hook(lambda *args: steps.append(1))]
+    results = []
+    try:
+        bench.bench_train(bench.parse_args(["--quick", "--device", "cpu", "--parts", "train", "--baseline", "0",
+                                            "--steps", "1", "--warmup", "1", *flags]), "cpu", str(tmp_path),
+                          results.append)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    [result] = results
+    total = result["total_batch_size"]
+    assert total == int(dict(zip(flags[::2], flags[1::2])).get("--total_batch_size", 2 * B * 64))
+    assert result["grad_accum_steps"] == total // (B * 64) == accumulation and result["micro_batch_size"] == B
+    assert f"B{B} T64 accum={accumulation} " in result["config"]
+    assert len(steps) == 2 and forwards == [(B, 64)] * (accumulation * len(steps))  # warm-up and timed step
+
+
+def test_the_gpu_size_steps_the_trainers_default_total_batch():
+    import train_gpt2
+
+    cfg = bench.train_config(bench.parse_args(["--device", "cpu", "--parts", "matmul"]), "cuda")
+    assert cfg["total_batch_size"] == train_gpt2.build_parser().get_default("total_batch_size")
+    assert bench.total_batch(cfg, 64) // (64 * cfg["seq_len"]) == 8  # 524288 / (64*1024)
+
+
+CATEGORIES = [category for category, _ in bench.PROFILE_CATEGORIES]
+
+
+@pytest.mark.parametrize("name, category", [
+    ("aten::addmm", "matmul"), ("aten::mm", "matmul"), ("aten::native_layer_norm", "normalization"),
+    ("aten::native_layer_norm_backward", "normalization"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+    ("aten::nll_loss_forward", "loss"), ("aten::_log_softmax", "loss"), ("aten::_foreach_mul_", "optimizer"),
+    ("aten::_fused_adamw_", "optimizer"), ("aten::copy_", "copies"), ("aten::_to_copy", "copies"),
+    ("aten::gelu", "element-wise"), ("aten::add_", "element-wise"), ("aten::t", "element-wise"),
+    # CUDA kernels, as the profiler names them
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+     "matmul"), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>",
+     "attention"), ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>", "normalization"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "loss"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
+    ("Memcpy HtoD (Pinned -> Device)", "copies"), ("triton_poi_fused_gelu_0", "element-wise")])
+def test_the_profile_categories_come_from_the_names(name, category):
+    assert bench.profile_category(name) == category
+
+
+def test_on_the_cpu_an_element_wise_operator_takes_the_category_around_it():
+    step = SimpleNamespace(name="Optimizer.step#AdamW.step", cpu_parent=None)
+    assert bench.operator_category(SimpleNamespace(name="aten::lerp_", cpu_parent=step)) == "optimizer"
+    linear = SimpleNamespace(name="aten::linear", cpu_parent=None)
+    assert bench.operator_category(SimpleNamespace(name="aten::t", cpu_parent=linear)) == "matmul"
+    copy = SimpleNamespace(name="aten::copy_", cpu_parent=step)
+    assert bench.operator_category(copy) == "copies"  # its own name first
+
+
+def event(name, device_type, self_cpu=0.0, self_device=0.0, parent=None, annotation=False):
+    return SimpleNamespace(name=name, device_type=device_type, self_cpu_time_total=self_cpu,
+                           self_device_time_total=self_device, cpu_parent=parent, is_user_annotation=annotation)
+
+
+def test_the_profile_counts_each_moment_once():
+    """On CUDA the kernels (not the operators that launched them, whose self device time is theirs
+    again, nor an annotation's span on the GPU); on the CPU the aten operators' self time (not the
+    autograd engine's wrappers)."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    wrapper = event("autograd::engine::evaluate_function: AddmmBackward0", cpu, self_cpu=100)
+    events = [wrapper, event("Optimizer.step#AdamW.step", cuda, self_device=300, annotation=True), event("aten::mm", cpu, self_cpu=300, self_device=400, parent=wrapper),
+              event("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", cuda, self_device=400),
+              event("Memcpy HtoD (Pinned -> Device)", cuda, self_device=100)]
+    on_cuda = bench.profile_table(events, 1e-3, 1, "cuda")["rows"]
+    assert {r["category"]: r["share"] for r in on_cuda if r["share"]} == {"matmul": 40, "copies": 10, "idle": 50}
+    on_cpu = bench.profile_table(events, 1e-3, 1, "cpu")["rows"]
+    assert {r["category"]: r["share"] for r in on_cpu if r["share"]} == {"matmul": 30, "idle": 70}
+    assert [r["category"] for r in on_cpu] == CATEGORIES + ["idle"]
+
+
+def test_profile_on_the_cpu_prints_a_table_of_the_step_and_writes_the_trace(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--device", "cpu", "--parts", "train", "--baseline", "0", "--steps", "1", "--warmup", "1",
+                "--profile", "--json", str(out)])
+    printed = capsys.readouterr().out
+    [timed, profile] = json.loads(out.read_text())["results"]
+    assert (timed["name"], profile["name"]) == ("train", "profile") and profile["steps"] == 1
+    assert profile["config"] == timed["config"] == "L2 C64 B2 T64 accum=2 float32 compile=0"
+    assert [r["category"] for r in profile["rows"]] == CATEGORIES + ["idle"]
+    shares = [r["share"] for r in profile["rows"]]
+    assert all(0 <= share <= 100 for share in shares)
+    assert sum(shares[:-1]) <= 100 + 1e-9 and sum(shares) == pytest.approx(100)
+    table = printed[printed.index("profile of train's step"):].splitlines()
+    assert table[2].split() == ["category", "ms/step", "share"]
+    assert [line.split()[0] for line in table[3:3 + len(CATEGORIES) + 1]] == CATEGORIES + ["idle"]
+    assert table[-1] == f"trace: {tmp_path / 'bench.trace.json'}" == f"trace: {profile['trace']}"
+    trace = json.loads((tmp_path / "bench.trace.json").read_text())
+    assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+
+
+def test_the_trace_goes_beside_the_json(tmp_path):
+    assert bench.parse_args(["--quick", "--profile"]).trace == "bench.trace.json"
+    assert bench.parse_args(["--quick", "--profile", "--json", str(tmp_path / "x.json")]).trace == str(tmp_path / "x.trace.json")
+    assert bench.parse_args(["--quick"]).trace is None
