@@ -368,3 +368,18 @@ def never_ending_inputs(tmp_path):
         f.truncate(4 << 30)
     return {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path / "dir"),
             "huge": str(tmp_path / "huge")}
+
+
+class OneBatch:
+    """A loader that gives the same batch every time."""
+    def __init__(self, x, y):
+        self.batch = x, y
+
+    def next_batch(self):
+        return self.batch
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass

@@ -571,15 +571,20 @@ def test_a_shard_size_beyond_memory_is_refused_before_anything_is_written(tmp_pa
     check_shards(tmp_path / "out", "tiny", 7, DOCS)
 
 
+def sharded_docs(tmp_path):
+    """(corpus, output dir, its manifest) of DOCS sharded 7 tokens a shard."""
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    return corpus, out, json.loads((out / fineweb.MANIFEST).read_text())
+
+
 @pytest.mark.parametrize("progress, problem", [
     ({"shards": -3}, "shards is -3"), ({"document": "2"}, 'document is "2"'), ({"skip": 1.5}, "skip is 1.5"),
     ({"complete": "yes"}, 'complete is "yes"'), ({"documents": 99}, "a document count that disagrees"),
 ])
 def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_path, progress, problem):
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    corpus, out, manifest = sharded_docs(tmp_path)
     (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, **progress}))
     before = {name: (out / name).read_bytes() for name in listdir(out)}
     with pytest.raises(fineweb.InputError, match=f"unreadable manifest \\(impossible progress: .*{problem}"):
@@ -588,10 +593,7 @@ def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_pat
 
 
 def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path):
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    corpus, out, manifest = sharded_docs(tmp_path)
     incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
     past_the_last = len(stream_of(DOCS[-1:])) + 1  # fits in the shards' tokens, but not in the corpus
     (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) - 1, "skip": past_the_last}))
@@ -613,10 +615,7 @@ def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_p
 ])
 def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_nothing(tmp_path, capsys, progress,
                                                                                   problem):
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    corpus, out, manifest = sharded_docs(tmp_path)
     (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, **progress}))
     before = {name: (out / name).read_bytes() for name in listdir(out)}
     assert fineweb.main(["--input", corpus, "--output_dir", str(out), "--prefix", "tiny", "--shard_size", "7",
@@ -630,10 +629,7 @@ def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_noth
 
 
 def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path):
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
-    out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    manifest = json.loads((out / fineweb.MANIFEST).read_text())
+    corpus, out, manifest = sharded_docs(tmp_path)
     incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
     # As many shards as there are, each document one token: a count the shards allow, the corpus not
     (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) + 3, "skip": 0}))

@@ -11,7 +11,8 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import TINY, TINY_CONFIG, error_of, final_weights, read_log, run_torchrun, train, train_records
+from conftest import (TINY, TINY_CONFIG, OneBatch, error_of, final_weights, read_log, run_torchrun, train,
+                      train_records)
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
@@ -27,21 +28,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class OneBatch:
-    """A loader that gives the same batch every time."""
-    def __init__(self, x, y):
-        self.batch = x, y
-
-    def next_batch(self):
-        return self.batch
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def tiny_model(seed=0):

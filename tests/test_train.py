@@ -12,9 +12,9 @@ import checkpoint
 import distributed
 import train_gpt2
 from checkpoint import load_checkpoint
-from conftest import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, assert_same_run, error_of, final_weights,
-                      listdir, one_line_error, read_log, run_cli, run_script, run_torchrun, save_as_checkpoint, train,
-                      train_records, write_jsonl, write_token_shards)
+from conftest import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
+                      final_weights, listdir, one_line_error, read_log, run_cli, run_script, run_torchrun,
+                      save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
 from data import ShardLoader, list_shards, write_shard
 from model import GPT, GPTConfig
 
@@ -431,21 +431,6 @@ def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypat
     assert len(set(expected)) == 5  # warmup to max_lr at step 2, then cosine
     assert [r["lr"] for r in train_records(records)] == pytest.approx(expected)
     assert stepped == [pytest.approx([lr, lr]) for lr in expected]  # both groups: decayed and not
-
-
-class OneBatch:
-    """A loader that gives the same batch every time."""
-    def __init__(self, x, y):
-        self.batch = x, y
-
-    def next_batch(self):
-        return self.batch
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_logged():
