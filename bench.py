@@ -31,6 +31,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
+import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
 
 import fineweb
@@ -728,7 +729,7 @@ def cpu_model():
 def main(argv=None):
     args = parse_args(argv)
     device = args.device
-    torch.set_float32_matmul_precision("high")
+    devices.allow_tf32()
     report = {"device": device_name(device), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable), "bench.py", *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "results": []}

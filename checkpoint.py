@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
+import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
@@ -227,6 +228,9 @@ def save_sharded(path, model, optimizer, state, async_save=False):
         raise OSError(error)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optimizer": optimizer_state}
+    # DCP's writer in torch 2.9 and 2.10 calls tensor.storage(), which warns (gone in 2.11). Set for
+    # good, not in a catch_warnings: async_save writes in another thread.
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
 
     def finish(failed):
         if rank != 0:

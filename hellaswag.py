@@ -19,6 +19,7 @@ import sys
 import urllib.request
 
 import torch
+import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
 from tqdm import tqdm
 

@@ -10,6 +10,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.overrides import TorchFunctionMode

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -446,7 +447,7 @@ def setup(args):
     log(f"world size {world_size}, device {device}, {grad_accum_steps} micro-steps of "
         f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
     torch.manual_seed(args.seed)
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
+    devices.allow_tf32()
     log_dir_lock, mirrors = prepare_log_dir(args, rank, log)
     raw_model, init = build_model(args, device, log)
     if args.seq_len > raw_model.config.block_size:

@@ -138,6 +138,21 @@ def test_cli_under_spawn_and_forkserver_matches_fork(tmp_path, method):
     check_shards(tmp_path / method, "s", 50_000, docs)
 
 
+def test_runs_where_torch_cannot_be_imported(tmp_path):
+    """fineweb.py needs no torch (a machine that only prepares data may lack it), nor do its
+    workers: here spawned, so each imports the script afresh, with torch unimportable in all."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import multiprocessing, sys\nsys.modules['torch'] = None\n"
+                                           "multiprocessing.set_start_method('spawn', force=True)\n")
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
+    args = ["--input", corpus, "--shard_size", 50, "--num_proc", 2, "--prefix", "t", "--output_dir", tmp_path / "out"]
+    result = run_cli(*args, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    check_shards(tmp_path / "out", "t", 50, DOCS)
+    assert run_cli("--help", env={"PYTHONPATH": str(site)}).returncode == 0
+
+
 def test_demo_corpus(tmp_path):
     summary = fineweb.shard_local_files(SHAKESPEARE, str(tmp_path / "shakespeare"), "shakespeare", 32768)
     assert (summary["documents"], summary["tokens"], summary["shards"]) == (1, 338_026, 11)
