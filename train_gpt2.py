@@ -48,7 +48,19 @@ SAMPLE_PROMPT = "Hello, I'm a language model,"
 
 def build_parser(add_help=True):
     p = Parser(description=__doc__, add_help=add_help)
-    a = p.add_argument
+    add_run_and_model_flags(p.add_argument)
+    add_optimization_flags(p.add_argument)
+    add_evaluation_flags(p.add_argument)
+    add_checkpoint_and_scale_flags(p.add_argument)
+    add_runtime_flags(p.add_argument)
+    testing = p.add_argument_group("testing", "faults injected on purpose, to test that runs survive them")
+    testing.add_argument("--fault", action="append", type=parse_fault, default=None, metavar="KIND@STEP[:RANK]",
+                         help="nan (poison the loss), sigterm or sigkill (signal itself) at STEP, on RANK or all")
+    return p
+
+
+def add_run_and_model_flags(a):
+    """What to train on, where its files go, and the model."""
     a("--preset", default="gpt2", choices=PRESETS, metavar="NAME",
       help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(PRESETS)}")
     a("--config", metavar="FILE", default=None,
@@ -64,6 +76,11 @@ def build_parser(add_help=True):
     a("--n_embd", type=int, default=768, help="width of the residual stream")
     a("--block_size", type=int, default=1024, help="context length of the model")
     a("--vocab_size", type=int, default=PADDED_VOCAB, help="embedding rows: GPT-2's 50257 padded to a multiple of 128")
+
+
+
+def add_optimization_flags(a):
+    """The batch, the schedule and the optimizer: build-nanogpt's recipe by default."""
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all ranks")
     a("-B", "--micro_batch_size", type=int, default=64, help="sequences per forward pass per rank")
     a("-T", "--seq_len", type=int, default=1024, help="tokens per sequence")
@@ -82,12 +99,22 @@ def build_parser(add_help=True):
     a("--muon_momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
     a("--muon_weight_decay", type=float, default=0.1, help="Muon's decoupled weight decay (times its lr, as AdamW's)")
     a("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
+
+
+
+def add_evaluation_flags(a):
+    """Val loss, HellaSwag and samples during the run."""
     a("--eval_interval", type=int, default=250, help="val loss and HellaSwag every N steps and at the end (0: never)")
     a("--val_steps", type=int, default=20, help="micro-batches per val loss")
     a("--hellaswag", type=int, default=1, choices=[0, 1], help="HellaSwag acc_norm at every eval")
     a("--hellaswag_path", default=None, help="local HellaSwag jsonl (default: download the val split once)")
     a("--hellaswag_limit", type=int, default=0, help="score only the first N examples (0: all)")
     a("--sample_interval", type=int, default=250, help="print samples every N steps and at the end (0: never)")
+
+
+
+def add_checkpoint_and_scale_flags(a):
+    """Checkpoints and resume; FSDP, recompute and the memory plan."""
     a("--checkpoint_interval", type=int, default=5000, help="checkpoint every N steps and at the end (0: only at the end)")
     a("--keep_last", type=int, default=0, help="keep only the newest N checkpoints (0: keep all)")
     a("--fsdp", type=int, default=0, choices=[0, 1],
@@ -106,6 +133,11 @@ def build_parser(add_help=True):
     a("--async_checkpoint", action="store_true",
       help="with --fsdp 1, write checkpoints in the background while training goes on")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
+
+
+
+def add_runtime_flags(a):
+    """Device, precision, compile, seeds, data checks and logging."""
     a("--device", default="auto",
       help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:K (one process only: under torchrun each takes cuda:LOCAL_RANK), mps")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -124,10 +156,6 @@ def build_parser(add_help=True):
     a("--wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
     a("--wandb_project", default="gpt2-reproduction", help="the wandb project of --wandb")
     a("--tensorboard", action="store_true", help="also log to TensorBoard, in log_dir/tensorboard (needs tensorboard)")
-    testing = p.add_argument_group("testing", "faults injected on purpose, to test that runs survive them")
-    testing.add_argument("--fault", action="append", type=parse_fault, default=None, metavar="KIND@STEP[:RANK]",
-                         help="nan (poison the loss), sigterm or sigkill (signal itself) at STEP, on RANK or all")
-    return p
 
 
 def parse_fault(spec):
