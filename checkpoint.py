@@ -11,6 +11,7 @@ either kind, sharded or not, on any number of ranks.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
+import concurrent.futures
 import dataclasses
 import errno
 import glob
@@ -250,9 +251,20 @@ def save_sharded(path, model, optimizer, state, async_save=False):
             raise
         finish(failed=False)
         return None
-    future = dcp.async_save(tensors, checkpoint_id=partial, process_group=host_group("checkpoints"))
-    future.add_done_callback(lambda f: finish(failed=f.exception() is not None))
-    return future
+    written = dcp.async_save(tensors, checkpoint_id=partial, process_group=host_group("checkpoints"))
+    # Done once renamed into place, not once written: DCP's future is done before its callbacks
+    # run, and a prune in between would take the still-.partial directory for a killed save's.
+    in_place = concurrent.futures.Future()
+
+    def rename_when_written(future):
+        error = future.exception()
+        try:
+            finish(failed=error is not None)
+        except Exception as e:  # never left undone: the run waits on it
+            error = error or e
+        in_place.set_exception(error) if error else in_place.set_result(None)
+    written.add_done_callback(rename_when_written)
+    return in_place
 
 
 def save_train_state(partial, state):
