@@ -77,8 +77,10 @@ def load_run(path):
     """A run's series and totals from its log directory (or its log.jsonl itself)."""
     if os.path.isdir(path):
         log_file, label = os.path.join(path, "log.jsonl"), os.path.normpath(path)
-    else:
+    elif os.path.basename(path) == "log.jsonl":  # a run's log: named by its directory
         log_file, label = path, os.path.normpath(os.path.dirname(path) or path)
+    else:  # a log kept under a name of its own, several to a directory (bench/results/)
+        log_file, label = path, os.path.splitext(os.path.normpath(path))[0]
     if not os.path.isfile(log_file):
         sys.exit(f"error: {path}: no {'log.jsonl in it' if os.path.isdir(path) else 'such file or directory'}")
     records = read_log(log_file)

@@ -133,3 +133,16 @@ def test_the_tokens_per_step_note_only_for_runs_that_differ(tmp_path, capsys):
     for runs, expected in ((["eval_only"], ""), (["eval_only", "run"], ""), (["run", "half_batch"], note)):
         plot_log.main([str(tmp_path / run) for run in runs] + ["-o", str(tmp_path / "x.png")])
         assert capsys.readouterr().err == expected, runs
+
+
+def test_logs_kept_under_names_of_their_own_are_named_by_file(tmp_path):
+    """bench/results/ keeps several runs' logs in one directory, as NAME.jsonl: each is labelled
+    by its own name; a run's log.jsonl, by its directory."""
+    (tmp_path / "results").mkdir()
+    for name in ("adamw", "muon"):
+        write_log(tmp_path / name, 20, best_val=3.1, best_hellaswag=0.31)
+        (tmp_path / name / "log.jsonl").rename(tmp_path / "results" / f"{name}.jsonl")
+    write_log(tmp_path / "run", 20, best_val=3.1, best_hellaswag=0.31)
+    paths = [tmp_path / "results" / "adamw.jsonl", tmp_path / "results" / "muon.jsonl", tmp_path / "run" / "log.jsonl"]
+    assert [plot_log.load_run(str(p))["label"] for p in paths] == [
+        str(tmp_path / "results" / "adamw"), str(tmp_path / "results" / "muon"), str(tmp_path / "run")]
