@@ -404,8 +404,12 @@ class PlainDataReader(FileSystemReader):
     within a regular file of the directory before any is read, and a shard that fails to load is
     named."""
 
+    metadata = None  # read once: dcp_load's up-front checks ask for it, then DCP itself
+
     def read_metadata(self, *args, **kwargs):
-        return read_metadata(str(self.path))
+        if self.metadata is None:
+            self.metadata = read_metadata(str(self.path))
+        return self.metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         check_shards(str(self.path), metadata.storage_data)
