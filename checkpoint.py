@@ -13,7 +13,6 @@ either kind, sharded or not, on any number of ranks.
 """
 import concurrent.futures
 import dataclasses
-import errno
 import glob
 import io
 import os
@@ -44,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from atomic import atomic_open
-from cli import Parser, first_line, gpt2_vocab_problem
+from cli import Parser, UnreadableFile, first_line, gpt2_vocab_problem, open_regular
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
@@ -341,9 +340,12 @@ def read_metadata(path):
     """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone."""
     file = os.path.join(path, ".metadata")
     try:
-        data = read_regular_file(file)
+        with open_regular(file, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
+    except UnreadableFile as e:
+        raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
     try:
@@ -359,14 +361,6 @@ def read_metadata(path):
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{file}: damaged (not DCP's metadata)")
     return metadata
-
-
-def read_regular_file(path):
-    """path's bytes; an OSError unless it is a regular file (a FIFO or /dev/zero would never end)."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", path)
-    with open(path, "rb") as f:
-        return f.read()
 
 
 class PlainDataPlanner(DefaultLoadPlanner):

@@ -26,13 +26,12 @@ class ConfigError(Exception):
 
 
 def read_config(path):
-    """The key-value pairs of the TOML file at path (read only if it is a regular file: a FIFO or
-    /dev/zero would never end)."""
+    """The key-value pairs of the TOML file at path (a regular file: a FIFO or /dev/zero would never end)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ConfigError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:
             return tomllib.load(f)
+    except UnreadableFile as e:
+        raise ConfigError(str(e)) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -127,45 +126,46 @@ FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR:
               stat.S_IFSOCK: "a socket"}
 
 
-class TextFileError(ValueError):
-    """A user's text file that cannot be read as one: not a regular file, or a line too long.
+class UnreadableFile(ValueError):
+    """A user's file that cannot be read as asked: not a regular file, or a text line too long.
     The message starts with the file's path, as given, and names the line where there is one."""
 
 
-def open_text(path, newline=None):
-    """path opened as UTF-8 text, or OSError, or TextFileError if it is not a regular file: a
-    FIFO's open() would wait for a writer, /dev/zero never ends, a directory has no text."""
+def open_regular(path, mode="r", **open_args):
+    """open(path, mode, **open_args) if path is a regular file, UnreadableFile naming its kind if
+    not (a FIFO would wait for a writer, /dev/zero never ends), else OSError. The kind is asked of
+    the opened file, so nothing can be swapped in between."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # so that a FIFO opens at once, to be refused
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise TextFileError(f"{path}: {FILE_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, "
+        mode_bits = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode_bits):
+            raise UnreadableFile(f"{path}: {FILE_KINDS.get(stat.S_IFMT(mode_bits), 'not a regular file')}, "
                                 f"not a regular file")
-        return open(fd, encoding="utf-8", newline=newline)
+        return open(fd, mode, **open_args)
     except BaseException:
         os.close(fd)
         raise
 
 
 def read_text(path, max_chars=MAX_LINE_CHARS):
-    """The whole file, as is (\r\n stays \r\n); TextFileError past max_chars characters (only
-    max_chars + 1 are read), else as open_text, or UnicodeDecodeError."""
-    with open_text(path, newline="") as f:
+    """The whole file, as is (\r\n stays \r\n); UnreadableFile past max_chars characters (only
+    max_chars + 1 are read), else as open_regular, or UnicodeDecodeError."""
+    with open_regular(path, encoding="utf-8", newline="") as f:
         text = f.read(max_chars + 1)
     if len(text) > max_chars:
-        raise TextFileError(f"{path}: more than {max_chars:,} characters")
+        raise UnreadableFile(f"{path}: more than {max_chars:,} characters")
     return text
 
 
 def read_lines(path, max_chars=MAX_LINE_CHARS):
     """Yields (number from 1, line without its line break) for each line (ended by \n, \r\n or
-    \r; a last line break ends the last line); TextFileError at a line of more than max_chars
-    characters (no more of it is read), else as open_text, or UnicodeDecodeError."""
-    with open_text(path) as f:
+    \r; a last line break ends the last line); UnreadableFile at a line of more than max_chars
+    characters (no more of it is read), else as open_regular, or UnicodeDecodeError."""
+    with open_regular(path, encoding="utf-8") as f:
         number = 0
         while line := f.readline(max_chars + 1):  # + 1: a line of max_chars and its line break
             number += 1
             line = line.removesuffix("\n")
             if len(line) > max_chars:
-                raise TextFileError(f"{path} line {number}: more than {max_chars:,} characters")
+                raise UnreadableFile(f"{path} line {number}: more than {max_chars:,} characters")
             yield number, line

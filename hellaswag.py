@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser, TextFileError, gpt2_vocab_problem, read_lines
+from cli import Parser, UnreadableFile, gpt2_vocab_problem, read_lines
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
 
@@ -84,7 +84,7 @@ def read_examples(path, expected=None):
                 examples.append(parse_example(line))
             except ValueError as e:
                 raise HellaSwagError(f"{path} line {lineno}: {e}") from None
-    except TextFileError as e:  # it names the file, and the line
+    except UnreadableFile as e:  # it names the file, and the line
         raise HellaSwagError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise HellaSwagError(f"{path}: cannot read it ({e})") from None

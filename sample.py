@@ -19,7 +19,7 @@ import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops 
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser, TextFileError, read_lines, read_text
+from cli import Parser, UnreadableFile, read_lines, read_text
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
 
@@ -122,7 +122,7 @@ def load_prompts(parser, flag, value):
     """The prompts of --prompts FILE or --prompt, or a one-line exit naming the file (and line)."""
     try:
         return read_prompts(value) if flag == "--prompts" else [read_prompt(value)]
-    except TextFileError as e:  # its message starts with the file's path (and line): --prompt's @ goes before it
+    except UnreadableFile as e:  # its message starts with the file's path (and line): --prompt's @ goes before it
         parser.fail(f"{flag} {'@' if flag == '--prompt' else ''}{e}")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         parser.fail(f"{flag} {value}: {e}")

@@ -149,6 +149,7 @@ SHARD = "__0_0.distcp"  # what save_sharded writes in one process
     (zero, SHARD, "damaged shard (UnpicklingError"),
     (truncate, SHARD, "truncated or damaged shard"),
     (to_dev_zero, SHARD, "not a regular file"),
+    (to_dev_zero, ".metadata", "a device, not a regular file"),
 ])
 def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                            capsys, damage, file, expected):

@@ -51,7 +51,7 @@ def test_a_config_that_is_missing_or_not_a_file_is_one_line(tmp_path, capsys):
     assert message.endswith(f": error: {tmp_path / 'none.toml'}: cannot read it (No such file or directory) (see --help)")
     os.mkfifo(tmp_path / "fifo.toml")
     message = exit_message(capsys, train_gpt2.main, "--config", tmp_path / "fifo.toml")
-    assert message.endswith(f": error: {tmp_path / 'fifo.toml'}: not a regular file (see --help)")
+    assert message.endswith(f": error: {tmp_path / 'fifo.toml'}: a FIFO, not a regular file (see --help)")
 
 
 def test_the_testing_flag_has_its_own_group_in_help(capsys):
