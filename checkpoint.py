@@ -1,6 +1,6 @@
 """Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
-A checkpoint holds the model (plain GPT keys), AdamW's state, the loss scaler, the step, the
+A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss scaler, the step, the
 data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's args
 (training_state). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
@@ -47,11 +47,11 @@ from cli import Parser, UnreadableFile, first_line, gpt2_vocab_problem, open_reg
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
-from muon import optimizer_name
+from muon import build_optimizer, optimizer_name, saved_parts, torch_optimizers
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
-TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and AdamW's tensors
+TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and the optimizer's tensors
 
 
 class CheckpointError(Exception):
@@ -113,7 +113,7 @@ def training_state(raw_model, optimizer, scaler, step, train_loader, args):
 
 
 def train_state(raw_model, scaler, step, train_loader, args):
-    """All of training_state but the model's and AdamW's tensors: what train_state.pt holds."""
+    """All of training_state but the model's and the optimizer's tensors: what train_state.pt holds."""
     return {
         "scaler": scaler.state_dict(),
         "step": step,
@@ -184,23 +184,22 @@ def restoring(path, field):
         raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
-KERNEL_FLAGS = ("fused", "foreach", "capturable")  # how AdamW runs here, not what it learned
+# How this run steps, not what the saved run learned: AdamW's kernel, and Muon's peak lr over --max_lr.
+RUN_SETTINGS = ("fused", "foreach", "capturable", "lr_scale")
 
 
 def load_optimizer_state(optimizer, saved):
-    """Loads saved into optimizer, keeping this machine's AdamW kernel (a run saved on a CPU resumes
-    fused on a GPU, and back). The flags go into the saved groups before loading: load_state_dict
-    places each `step` counter by them (fused and capturable kernels read it as float32 on the
-    parameter's device), so flags switched afterwards would leave it where the old kernel wanted it.
-    A MuonAdamW (--optimizer muon) loads each of its optimizers from its own entry of saved."""
-    if hasattr(optimizer, "parts"):
-        optimizer.load_state_dict(saved, load_part=load_optimizer_state)
-        return
-    optimizer.load_state_dict({**saved, "param_groups": with_kernel_flags(saved["param_groups"], optimizer)})
+    """Loads saved (optimizer.state_dict()'s form) into optimizer, keeping this run's settings: a
+    run saved on a CPU resumes with the fused AdamW on a GPU, and back, and a resume under another
+    --muon_lr runs at it, as one under another --max_lr runs at that. The settings go into the saved
+    groups before loading: load_state_dict places each `step` counter by them (fused and capturable
+    kernels read it as float32 on the parameter's device)."""
+    for part, saved_part in saved_parts(optimizer, saved):
+        part.load_state_dict({**saved_part, "param_groups": with_run_settings(saved_part["param_groups"], part)})
 
 
-def with_kernel_flags(saved_groups, optimizer):
-    return [{**saved_group, **{k: group[k] for k in KERNEL_FLAGS if k in group}}
+def with_run_settings(saved_groups, optimizer):
+    return [{**saved_group, **{k: group[k] for k in RUN_SETTINGS if k in group}}
             for saved_group, group in zip(saved_groups, optimizer.param_groups)]
 
 
@@ -212,7 +211,7 @@ def is_sharded_checkpoint(path):
 
 def save_sharded(path, model, optimizer, state, async_save=False):
     """Writes a sharded checkpoint on every rank: each rank its own shards of the model and of
-    AdamW's state, in parallel, rank 0 also state (train_state's). The directory is written as
+    the optimizer's state, in parallel, rank 0 also state (train_state's). The directory is written as
     PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
     the tensors copied to host memory, and the writing goes on in a thread: the returned future
     is done once the checkpoint is in place; otherwise it is in place on return (None returned).
@@ -226,7 +225,7 @@ def save_sharded(path, model, optimizer, state, async_save=False):
         error = shared[0]
     if error:
         raise OSError(error)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, torch_optimizers(optimizer))
     tensors = {"model": model_state, "optimizer": optimizer_state}
     # DCP's writer in torch 2.9 and 2.10 calls tensor.storage(), which warns (gone in 2.11). Set for
     # good, not in a catch_warnings: async_save writes in another thread.
@@ -280,18 +279,19 @@ def save_train_state(partial, state):
 
 
 def load_sharded(path, model, optimizer=None):
-    """Reads a sharded checkpoint's model (and AdamW's state) into model, sharded or not, on any
+    """Reads a sharded checkpoint's model (and the optimizer's state) into model, sharded or not, on any
     number of ranks or in one process: DCP reads each rank the pieces of the shards it holds."""
     if optimizer is None:
         tensors = {"model": get_model_state_dict(model)}
         dcp_load(tensors, path)
         set_model_state_dict(model, tensors["model"])
         return
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    optimizers = torch_optimizers(optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizers)
     tensors = {"model": model_state, "optimizer": optimizer_state}
     dcp_load(tensors, path)
-    tensors["optimizer"]["param_groups"] = with_kernel_flags(tensors["optimizer"]["param_groups"], optimizer)
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
+    tensors["optimizer"]["param_groups"] = with_run_settings(tensors["optimizer"]["param_groups"], optimizer)
+    set_state_dict(model, optimizers, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
 
 
 def dcp_load(tensors, path):
@@ -473,15 +473,16 @@ def entry_problem(entry, value):
 
 def load_whole_into_sharded(state, model, optimizer):
     """A one-file checkpoint (every rank has read all of it) into a sharded model: each rank keeps
-    its shards. Its AdamW state is keyed by the parameters' order in the optimizer; DCP's loader
-    wants their names."""
+    its shards. Its optimizer state is keyed by the parameters' order in each optimizer; DCP's
+    loader wants their names, and takes several optimizers' state as one."""
     names = {id(p): name for name, p in plain_state_dict(dict(model.named_parameters())).items()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    saved = state["optimizer"]
-    by_name = {"state": {order[i]: s for i, s in saved["state"].items()},
-               "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
-                                for g in with_kernel_flags(saved["param_groups"], optimizer)]}
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name,
+    by_name = {"state": {}, "param_groups": []}
+    for part, saved in saved_parts(optimizer, state["optimizer"]):
+        order = [names[id(p)] for group in part.param_groups for p in group["params"]]
+        by_name["state"].update({order[i]: s for i, s in saved["state"].items()})
+        by_name["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]}
+                                    for g in with_run_settings(saved["param_groups"], part)]
+    set_state_dict(model, torch_optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=by_name,
                    options=StateDictOptions(full_state_dict=True))
 
 
@@ -812,7 +813,10 @@ def main(argv=None):
     try:
         state = load_checkpoint(args.sharded)
         model = model_of(args.sharded, state["config"])
-        optimizer = model.configure_optimizers(0.0, 0.0, "cpu", fused=False)  # the groups' values come from the checkpoint
+        # The groups' values come from the checkpoint, but for Muon's lr_scale: the run's own.
+        run = state["args"] if isinstance(state.get("args"), dict) else {}
+        optimizer = build_optimizer(model, saved_optimizer_name(state), 0.0, run.get("max_lr", 1.0), "cpu",
+                                    fused_adamw=False, muon_lr=run.get("muon_lr", 1.0))
         with restoring(args.sharded, "model and optimizer"):
             load_sharded(args.sharded, model, optimizer)
     except CheckpointError as e:

@@ -8,6 +8,10 @@ the MLP's c_fc and c_proj. They are nn.Linear weights, (out, in), the orientatio
 adjustment (sqrt(max(1, out/in))) expects. The tied token embedding and head, the position
 embedding, the biases and the LayerNorms stay with AdamW, in configure_optimizers' two groups.
 
+Under FSDP2 (--fsdp 1) each rank holds rows of every matrix, as a DTensor. torch.optim.Muon runs
+on them unchanged: its Newton-Schulz matmuls are DTensor ops, which DTensor carries out across the
+ranks, and each rank keeps its rows of the update: 2 ranks step as one process does.
+
 The schedule: train_step sets each group's lr to get_lr(step), times the group's "lr_scale" where
 it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with
 AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly as without Muon.
@@ -65,19 +69,25 @@ class MuonAdamW:
     def state_dict(self):
         return {name: part.state_dict() for name, part in self.parts.items()}
 
-    def load_state_dict(self, state_dict, load_part=None):
-        """Each child from its own entry, by load_part(child, its state dict) (default: the
-        child's load_state_dict; checkpoint.load_optimizer_state keeps AdamW's kernel flags).
-        This run's lr_scale stays: a resume under another --muon_lr runs at it, as one under
-        another --max_lr runs at that."""
-        scales = [group["lr_scale"] for group in self.muon.param_groups]
+    def load_state_dict(self, state_dict):
+        """Each child from its own entry (checkpoint.load_optimizer_state also keeps this run's
+        AdamW kernel and Muon lr_scale)."""
         for name, part in self.parts.items():
-            if load_part is None:
-                part.load_state_dict(state_dict[name])
-            else:
-                load_part(part, state_dict[name])
-        for group, scale in zip(self.muon.param_groups, scales):
-            group["lr_scale"] = scale
+            part.load_state_dict(state_dict[name])
+
+
+def torch_optimizers(optimizer):
+    """The torch.optim optimizers that optimizer is made of (for torch.distributed.checkpoint's
+    state dict functions, which take several): a MuonAdamW's AdamW and Muon, else itself."""
+    return tuple(optimizer.parts.values()) if isinstance(optimizer, MuonAdamW) else (optimizer,)
+
+
+def saved_parts(optimizer, saved):
+    """[(torch optimizer, its state dict)] for each of torch_optimizers(optimizer), from saved, a
+    state_dict() of optimizer's kind. KeyError where saved lacks a part."""
+    if isinstance(optimizer, MuonAdamW):
+        return [(part, saved[name]) for name, part in optimizer.parts.items()]
+    return [(optimizer, saved)]
 
 
 def build_optimizer(raw_model, name, weight_decay, lr, device_type, fused_adamw=None, muon_lr=0.02,

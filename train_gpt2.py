@@ -202,8 +202,6 @@ def check_args(args, world_size):
     if args.optimizer == "muon":
         need(args.muon_lr > 0 and 0 <= args.muon_momentum < 1 and args.muon_weight_decay >= 0,
              "--muon_lr must be positive, --muon_momentum in [0, 1) and --muon_weight_decay not negative")
-        need(not args.fsdp, "--optimizer muon orthogonalizes whole matrices, which --fsdp 1 shards over the ranks: "
-                            "use --fsdp 0 (DDP) with it")
     need(args.n_embd % args.n_head == 0, f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     need(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), numpy's range, not {args.seed}")
     need(args.recompute_every > 0, f"--recompute_every must be positive, not {args.recompute_every}")
@@ -350,8 +348,6 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
                         gradient_as_bucket_view=True)
         if compile_mode is not None:
             model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
-    if fsdp and optimizer != "adamw":
-        raise RunError(f"--optimizer {optimizer} cannot run under --fsdp 1: it needs whole matrices")
     optimizer = build_optimizer(raw_model, optimizer, weight_decay, lr, device.split(":")[0], fused_adamw, muon_lr,
                                 muon_momentum, muon_weight_decay)
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.

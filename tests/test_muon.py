@@ -2,7 +2,6 @@
 step equals torch's optimizers applied by hand, the default AdamW path is unchanged, and every
 promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
 the step log, --plan) holds with it."""
-import os
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import (TINY, TINY_CONFIG, OneBatch, error_of, final_weights, read_log, run_torchrun, train,
-                      train_records)
+from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, final_weights, read_log, run_torchrun,
+                      train, train_records)
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
@@ -266,11 +265,35 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
 
 
-def test_fsdp_with_muon_is_refused_in_one_line(shards, tmp_path, capsys):
-    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *STEPS, "--max_steps", "2", "--fsdp", "1",
-                       *MUON)
-    assert "--optimizer muon orthogonalizes whole matrices" in message and "--fsdp 0" in message
-    assert not os.path.exists(tmp_path / "log.jsonl")
+def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways(shards, tmp_path):
+    """Under FSDP2 each rank holds rows of Muon's matrices; torch's Muon steps them as DTensors, whose
+    Newton-Schulz matmuls gather what they need. 2 ranks train as one process does; a sharded
+    checkpoint (momentum included) resumes in one process, directly and converted to one file; and
+    a one-file checkpoint resumes under FSDP."""
+    flags = ["--total_batch_size", "256", "--max_steps", "6", "--checkpoint_interval", "3", *MUON]
+
+    def fsdp(log_dir, *more):
+        result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, "-B", "2",
+                              "--fsdp", "1", *more)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_log(log_dir)
+
+    def tail(records):
+        return [r for r in records if r["step"] >= 3]
+    single = train(shards, tmp_path / "single", *flags, "-B", "4")
+    sharded = fsdp(tmp_path / "fsdp")
+    assert_same_run(single, sharded)
+    resumed = train(shards, tmp_path / "one", *flags, "-B", "4", "--resume", tmp_path / "fsdp" / "ckpt_000003")
+    assert_same_run(tail(sharded), resumed)
+    checkpoint.main([str(tmp_path / "fsdp" / "ckpt_000003"), str(tmp_path / "converted.pt")])
+    converted = checkpoint.load_checkpoint(tmp_path / "converted.pt")
+    buffers = [s["momentum_buffer"] for s in converted["optimizer"]["muon"]["state"].values()]
+    assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)
+    assert converted["optimizer"]["muon"]["param_groups"][0]["lr_scale"] == 0.02 / 3e-3
+    from_converted = train(shards, tmp_path / "converted", *flags, "-B", "4", "--resume", tmp_path / "converted.pt")
+    assert [(r["train_loss"], r["grad_norm"]) for r in train_records(from_converted)] == [
+        (r["train_loss"], r["grad_norm"]) for r in train_records(resumed)]
+    assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"))
 
 
 def test_plan_counts_one_buffer_per_muon_parameter(capsys):
