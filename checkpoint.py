@@ -5,22 +5,20 @@ data loader's position, the RNG states, the config (GPTConfig as a dict) and the
 (training_state). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory whose model and optimizer
-  every rank writes its own shards of (under FSDP), beside train_state.pt with the rest.
+  every rank writes its own shards of (under FSDP), beside train_state.pt with the rest; its
+  shards are read as plain data by dcp_reader.py.
 Every reader goes through load_checkpoint; a run resumes through restore_training, from
 either kind, sharded or not, on any number of ranks.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
 import concurrent.futures
-import dataclasses
 import glob
-import io
 import os
 import pickle
 import re
 import shutil
 import socket
-import stat
 import sys
 import traceback
 import urllib.parse
@@ -32,18 +30,15 @@ import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.futures import Future
 
 from atomic import atomic_open
-from cli import Parser, UnreadableFile, first_line, gpt2_vocab_problem, open_regular
+from cli import Parser, first_line, gpt2_vocab_problem
+from dcp_reader import CheckpointError, UnreadableShards, check_shards, dcp_load, read_metadata
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
@@ -52,14 +47,6 @@ from muon import build_optimizer, optimizer_name, saved_parts, torch_optimizers
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
 TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and the optimizer's tensors
-
-
-class CheckpointError(Exception):
-    """A checkpoint that is missing, damaged, or not plain data."""
-
-
-class UnreadableShards(CheckpointError):
-    """A sharded checkpoint whose shards cannot be read into this model: found only as they are read."""
 
 
 def checkpoint_path(log_dir, step, sharded=False):
@@ -294,183 +281,6 @@ def load_sharded(path, model, optimizer=None):
     set_state_dict(model, optimizers, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
 
 
-def dcp_load(tensors, path):
-    """DCP's load, reading nothing but plain data: the metadata, every entry's kind and shape and
-    every shard's bytes are checked before a byte of the shards is read (PlainDataPlanner,
-    PlainDataReader), on every rank alike. Any refusal or damage is one UnreadableShards."""
-    planner, reader = PlainDataPlanner(path), PlainDataReader(path)
-    try:
-        metadata = reader.read_metadata()
-        planner.set_up_planner(tensors, metadata)  # the checks, here rather than inside DCP's collectives
-        reader.set_up_storage_reader(metadata, is_coordinator=True)
-        with warnings.catch_warnings():  # in one process DCP warns that it reads without torch.distributed, as meant
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=reader, planner=planner)
-    except CheckpointError as e:
-        raise UnreadableShards(str(e)) from None
-    except CheckpointException as e:  # a damaged shard, on some rank: every rank hears of it
-        errors = [error for error, _ in e.failures.values()]
-        found = next((str(x) for x in errors if isinstance(x, CheckpointError)), None)
-        raise UnreadableShards(found or f"{path}: damaged sharded checkpoint ({first_line(errors[0])})") from None
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP reads a checkpoint's .metadata with pickle, which would run whatever code a crafted
-    file holds: it is read here instead, where nothing but these named classes can be built.
-    Names are matched whole: a dotted one, which pickle would resolve attribute by attribute
-    (the module's `os`, then its `system`), is never among them."""
-    ALLOWED = {
-        "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-                                                  "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                                  "_MEM_FORMAT_ENCODING"},
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size"} | {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
-        "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-        "collections": {"OrderedDict"},
-    }
-
-    def find_class(self, module, name):
-        if name in self.ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
-
-
-def read_metadata(path):
-    """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone."""
-    file = os.path.join(path, ".metadata")
-    try:
-        with open_regular(file, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
-    except UnreadableFile as e:
-        raise CheckpointError(str(e)) from None
-    except OSError as e:
-        raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
-    try:
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        unsafe = re.search(r"GLOBAL (\S+)", str(e))
-        if unsafe:
-            raise CheckpointError(f"{path}: refused: its .metadata is not DCP's plain metadata (it would construct "
-                                  f"{unsafe.group(1)}); nothing in it was run") from None
-        raise CheckpointError(f"{file}: damaged ({first_line(e)})") from None
-    except Exception as e:  # truncated, not a pickle at all
-        raise CheckpointError(f"{file}: damaged ({type(e).__name__}: {first_line(e)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointError(f"{file}: damaged (not DCP's metadata)")
-    return metadata
-
-
-class PlainDataPlanner(DefaultLoadPlanner):
-    """DCP's load planner, but an entry is read only as the kind that this state holds there (a
-    tensor of its shape, or plain data), and plain data is read with weights_only=True: DCP's own
-    reads it with weights_only=False, so a crafted entry declared "bytes" would run its pickle."""
-
-    def __init__(self, path):
-        super().__init__()
-        self.path = path  # for messages
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        for key, value in self.state_dict.items():
-            problem = entry_problem(metadata.state_dict_metadata.get(key), value)
-            if problem:
-                raise CheckpointError(f"{self.path}: refused: its entry {key} {problem}; nothing was read")
-
-    def load_bytes(self, read_item, value):
-        try:
-            with warnings.catch_warnings():  # torch's about the pickle protocol: the error says enough
-                warnings.simplefilter("ignore")
-                obj = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{self.path}: refused: its entry {read_item.dest_index.fqn} is not plain data "
-                                  f"({load_error(e)}); nothing in it was run") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-class PlainDataReader(FileSystemReader):
-    """DCP's file reader, but the metadata is read by read_metadata, every piece it places must lie
-    within a regular file of the directory before any is read, and a shard that fails to load is
-    named."""
-
-    metadata = None  # read once: dcp_load's up-front checks ask for it, then DCP itself
-
-    def read_metadata(self, *args, **kwargs):
-        if self.metadata is None:
-            self.metadata = read_metadata(str(self.path))
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        check_shards(str(self.path), metadata.storage_data)
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-
-    def read_data(self, plan, planner):
-        by_file = {}
-        for item in plan.items:
-            info = self.storage_data.get(item.storage_index)
-            if info is None:
-                raise CheckpointError(f"{self.path}: damaged: its .metadata places no shard for {item.storage_index.fqn}")
-            by_file.setdefault(info.relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except CheckpointError:
-                raise
-            except Exception as e:  # zeroed or overwritten bytes
-                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged shard ({load_error(e)})") from None
-        done = Future()
-        done.set_result(None)
-        return done
-
-
-def check_shards(path, storage_data):
-    """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
-    within a regular file directly in path, stored as this project writes it (no transforms)."""
-    sizes = {}
-    for info in storage_data.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..") \
-                or os.path.basename(name) != name:
-            raise CheckpointError(f"{path}: refused: its .metadata places a shard outside the directory ({name!r})")
-        file = os.path.join(path, name)
-        if info.transform_descriptors:
-            raise CheckpointError(f"{file}: refused: stored through transforms {list(info.transform_descriptors)}, "
-                                  f"which this project never writes")
-        if name not in sizes:
-            try:
-                mode_size = os.stat(file)
-            except OSError as e:
-                raise CheckpointError(f"{file}: missing shard ({first_line(e)})") from None
-            if not stat.S_ISREG(mode_size.st_mode):
-                raise CheckpointError(f"{file}: not a regular file: no shard that train_gpt2.py writes")
-            sizes[name] = mode_size.st_size
-        offset, length = info.offset, info.length
-        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
-                and offset + length <= sizes[name]):
-            raise CheckpointError(f"{file}: truncated or damaged shard ({length!r} bytes at {offset!r} in its "
-                                  f".metadata; the file holds {sizes[name]})")
-
-
-def entry_problem(entry, value):
-    """Why a checkpoint's entry (DCP's metadata of it) cannot be read into value, or None."""
-    if entry is None:
-        return "is missing (a checkpoint of another model or optimizer)"
-    if isinstance(value, torch.Tensor):
-        if not isinstance(entry, TensorStorageMetadata):
-            return "is declared plain data where this model holds a tensor"
-        if tuple(entry.size) != tuple(value.size()):
-            return f"has shape {tuple(entry.size)}, not this model's {tuple(value.size())} (another model size)"
-        return None
-    if not isinstance(entry, BytesStorageMetadata):
-        return "is declared a tensor where this model holds plain data"
-    return None
-
-
 def load_whole_into_sharded(state, model, optimizer):
     """A one-file checkpoint (every rank has read all of it) into a sharded model: each rank keeps
     its shards. Its optimizer state is keyed by the parameters' order in each optimizer; DCP's
@@ -697,12 +507,6 @@ def raised_by_torch_load(error):
     """Damaged bytes fail in torch's weights-only unpickler as UnpicklingError, IndexError, KeyError..."""
     torch_files = (os.path.join("torch", "serialization.py"), os.path.join("torch", "_weights_only_unpickler.py"))
     return any(frame.f_code.co_filename.endswith(torch_files) for frame, _ in traceback.walk_tb(error.__traceback__))
-
-
-def load_error(error):
-    """Why torch.load failed, in one short line: without its advice to try weights_only=False."""
-    detail = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", first_line(error))
-    return f"{type(error).__name__}: {detail.group(1) if detail else first_line(error)}"
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
