@@ -85,7 +85,7 @@ PROFILE_IDLE = {  # what the idle row is, by where the step ran
             "as if on one stream)"}
 
 
-def parse_args(argv=None):
+def build_parser():
     p = Parser(prog="bench.py", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
@@ -116,8 +116,13 @@ def parse_args(argv=None):
                    help="train: also profile the project's step (at the first -B) with torch.profiler: a table of "
                         "its time by category, and the Chrome trace beside --json (X.json: X.trace.json; "
                         "without --json: bench.trace.json)")
+    return p
+
+
+def parse_args(argv=None):
+    """The flags, every one checked before anything is timed: a mistake must not cost a GPU's benchmark run."""
+    p = build_parser()
     args = p.parse_args(argv)
-    # Every check here, before anything is timed: a mistake must not cost a GPU's benchmark run.
     args.parts = args.parts.split(",")
     if unknown := set(args.parts) - set(PARTS):
         p.error(f"unknown part(s) {', '.join(sorted(unknown))}")
