@@ -12,14 +12,16 @@ from contextlib import contextmanager
 import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from model import GPT
 
 
-def shard(model, dtype, compile_mode=None):
-    """Shards model in place: each Block, then the root. Under bf16 or fp16 the weights are
+def shard(model, dtype, compile_mode=None, qkv_by_columns=False):
+    """Shards model in place: each Block, then the root, each weight by rows; with qkv_by_columns,
+    attention's c_attn weight by columns, so that its q, k and v row blocks are views of each
+    rank's shard (--optimizer muon orthogonalizes them apart). Under bf16 or fp16 the weights are
     gathered and computed in that dtype while the sharded masters stay float32, and gradients
     are reduced in float32. compile_mode compiles each Block's forward, as torchtitan compiles each
     block: FSDP's hooks stay outside the graph, which the blocks share (one compilation), and the
@@ -28,7 +30,8 @@ def shard(model, dtype, compile_mode=None):
     for block in model.transformer.h:
         if compile_mode is not None:
             block.forward = torch.compile(block.forward, mode=None if compile_mode == "default" else compile_mode)
-        fully_shard(block, mp_policy=policy)
+        qkv = block.attn.c_attn.weight if qkv_by_columns else None
+        fully_shard(block, mp_policy=policy, shard_placement_fn=lambda p, qkv=qkv: Shard(1) if p is qkv else None)
     fully_shard(model, mp_policy=policy)
     # The logits are a view (the padded vocabulary's extra rows sliced away). FSDP warns about any
     # view its modules return, for the in-place op on it that would skip its backward hook; no

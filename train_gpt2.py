@@ -337,7 +337,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     raw_model.set_recompute(recompute, recompute_every)
     raw_model.set_attention(ATTENTION_KERNELS[attention])
     if fsdp:
-        model = sharding.shard(raw_model, dtype, compile_mode)
+        model = sharding.shard(raw_model, dtype, compile_mode, qkv_by_columns=optimizer == "muon")
         if init is not None:
             sharding.materialize(raw_model, init, device)
     else:
