@@ -96,7 +96,7 @@ def add_optimization_flags(a):
            "(qkv, attention projection, MLP in and out), AdamW as in the recipe for the rest")
     a("--muon_lr", type=float, default=0.02,
       help="Muon's peak lr; the schedule scales it as it scales --max_lr (a provisional default, to be measured)")
-    a("--muon_momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
+    a("--muon_momentum", type=float, default=0.9, help="Muon's (Nesterov) momentum")
     a("--muon_weight_decay", type=float, default=0.1, help="Muon's decoupled weight decay (times its lr, as AdamW's)")
     a("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
 
@@ -326,7 +326,7 @@ def to_device(batch, device):
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
                     compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None,
                     recompute="none", recompute_every=1, chunked_loss=False, optimizer="adamw", muon_lr=0.02,
-                    muon_momentum=0.95, muon_weight_decay=0.1):
+                    muon_momentum=0.9, muon_weight_decay=0.1):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
