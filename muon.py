@@ -22,6 +22,8 @@ AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly a
 import torch
 
 OPTIMIZERS = ("adamw", "muon")
+# --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).
+MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY = 0.02, 0.9, 0.1
 MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in each Block
 
 
@@ -108,8 +110,8 @@ class BlockMuon(torch.optim.Muon):
         return has_complex
 
 
-def build_optimizer(raw_model, name, weight_decay, lr, device_type, fused_adamw=None, muon_lr=0.02,
-                    muon_momentum=0.9, muon_weight_decay=0.1):
+def build_optimizer(raw_model, name, weight_decay, lr, device_type, fused_adamw=None, muon_lr=MUON_LR,
+                    muon_momentum=MUON_MOMENTUM, muon_weight_decay=MUON_WEIGHT_DECAY):
     """The optimizer of --optimizer name: configure_optimizers' AdamW (adamw), or a MuonAdamW
     whose AdamW is configure_optimizers' less muon_params, at peak lr, and whose Muon peaks at
     muon_lr (nesterov, torch's Newton-Schulz defaults), in two groups: the c_attn matrices, as

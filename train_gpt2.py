@@ -37,7 +37,7 @@ from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
-from muon import OPTIMIZERS, build_optimizer
+from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, build_optimizer
 from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,7 +78,6 @@ def add_run_and_model_flags(a):
     a("--vocab_size", type=int, default=PADDED_VOCAB, help="embedding rows: GPT-2's 50257 padded to a multiple of 128")
 
 
-
 def add_optimization_flags(a):
     """The batch, the schedule and the optimizer: build-nanogpt's recipe by default."""
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step, over all ranks")
@@ -94,12 +93,11 @@ def add_optimization_flags(a):
     a("--optimizer", default="adamw", choices=OPTIMIZERS,
       help="adamw: AdamW for every parameter (the recipe); muon: torch.optim.Muon for the blocks' four matrices "
            "(qkv, attention projection, MLP in and out), AdamW as in the recipe for the rest")
-    a("--muon_lr", type=float, default=0.02,
-      help="Muon's peak lr; the schedule scales it as it scales --max_lr (a provisional default, to be measured)")
-    a("--muon_momentum", type=float, default=0.9, help="Muon's (Nesterov) momentum")
-    a("--muon_weight_decay", type=float, default=0.1, help="Muon's decoupled weight decay (times its lr, as AdamW's)")
+    a("--muon_lr", type=float, default=MUON_LR, help="Muon's peak lr; the schedule scales it as it scales --max_lr")
+    a("--muon_momentum", type=float, default=MUON_MOMENTUM, help="Muon's (Nesterov) momentum")
+    a("--muon_weight_decay", type=float, default=MUON_WEIGHT_DECAY,
+      help="Muon's decoupled weight decay (times its lr, as AdamW's)")
     a("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
-
 
 
 def add_evaluation_flags(a):
@@ -110,7 +108,6 @@ def add_evaluation_flags(a):
     a("--hellaswag_path", default=None, help="local HellaSwag jsonl (default: download the val split once)")
     a("--hellaswag_limit", type=int, default=0, help="score only the first N examples (0: all)")
     a("--sample_interval", type=int, default=250, help="print samples every N steps and at the end (0: never)")
-
 
 
 def add_checkpoint_and_scale_flags(a):
@@ -133,7 +130,6 @@ def add_checkpoint_and_scale_flags(a):
     a("--async_checkpoint", action="store_true",
       help="with --fsdp 1, write checkpoints in the background while training goes on")
     a("--resume", default="auto", help="auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
-
 
 
 def add_runtime_flags(a):
@@ -325,8 +321,8 @@ def to_device(batch, device):
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
                     compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None,
-                    recompute="none", recompute_every=1, chunked_loss=False, optimizer="adamw", muon_lr=0.02,
-                    muon_momentum=0.9, muon_weight_decay=0.1):
+                    recompute="none", recompute_every=1, chunked_loss=False, optimizer="adamw", muon_lr=MUON_LR,
+                    muon_momentum=MUON_MOMENTUM, muon_weight_decay=MUON_WEIGHT_DECAY):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
