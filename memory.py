@@ -86,11 +86,17 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
 
 def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
     """The loss's peak: logits in the autocast dtype, their float32 log-softmax and its gradient,
-    for all positions at once, or for one chunk of them."""
-    positions = batch * seq_len
+    for all positions at once; or, chunked, for one chunk of them, plus what the chunked loss keeps
+    for the backward beyond the head's input (head_gradient_bytes)."""
     if chunked_loss:
-        positions = min(positions, LOSS_CHUNK)
-    return positions * config.vocab_size * (a + 8)
+        return min(batch * seq_len, LOSS_CHUNK) * config.vocab_size * (a + 8) + head_gradient_bytes(config)
+    return batch * seq_len * config.vocab_size * (a + 8)
+
+
+def head_gradient_bytes(config):
+    """The head's float32 weight gradient, which the chunked loss computes in the forward pass
+    and keeps for the backward (its input's gradient takes the place of the input itself)."""
+    return 4 * config.vocab_size * config.n_embd
 
 
 def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,

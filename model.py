@@ -68,17 +68,63 @@ def recomputed(fn, on):
     return partial(checkpoint, fn, use_reentrant=False) if on and torch.is_grad_enabled() else fn
 
 
-def chunked_cross_entropy(x, head, targets, chunk=LOSS_CHUNK):
-    """The mean cross-entropy of head(x) against targets (-1 ignored), chunk positions at a time,
-    each chunk's logits recomputed in the backward pass: no (B*T, vocab) tensor is ever whole."""
-    x, targets = x.flatten(0, 1), targets.flatten()
-    total = sum(recomputed(_summed_cross_entropy, True)(x[i:i + chunk], head, targets[i:i + chunk])
-                for i in range(0, len(x), chunk))
+def cross_entropy(logits, targets, n_tokens):
+    """GPT-2's loss: the mean cross-entropy of logits (..., vocab_size) against targets (..., -1
+    ignored), over the first n_tokens columns. The padding columns take no part (see masked_padding)."""
+    return F.cross_entropy(masked_padding(logits, n_tokens).flatten(0, -2), targets.flatten(), ignore_index=-1)
+
+
+def masked_padding(logits, n_tokens):
+    """logits in float32, with the columns from n_tokens on (the rows padded onto the vocabulary)
+    at -inf: the softmax gives them probability 0 and gradient 0, as a slice would, but a slice
+    makes the loss read a strided copy and write back a zero-padded gradient (17% of a GPU step)."""
+    if logits.size(-1) > n_tokens:
+        logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= n_tokens, float("-inf"))
+    return logits.float()
+
+
+def chunked_cross_entropy(x, weight, targets, n_tokens, chunk=LOSS_CHUNK):
+    """cross_entropy(x @ weight.T, targets, n_tokens) for hidden states x (B, T, C), computed
+    chunk positions at a time with its gradients (see LinearCrossEntropy): no (B*T, vocab) tensor
+    is ever whole. In autocast's dtype under autocast, else in x's."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    with torch.autocast(device, enabled=False):
+        total = LinearCrossEntropy.apply(x.flatten(0, 1).to(dtype), weight.to(dtype), targets.flatten(), n_tokens,
+                                         chunk, with_grads)
     return total / (targets != -1).sum()
 
 
-def _summed_cross_entropy(x, head, targets):
-    return F.cross_entropy(head(x).float(), targets, ignore_index=-1, reduction="sum")
+class LinearCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of x @ weight.T against targets (-1 ignored), chunk rows at a
+    time. Each chunk's gradients are computed in the forward pass, while its logits are at hand,
+    and kept for the backward: the head's matmul is neither whole nor computed twice."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, n_tokens, chunk, with_grads):
+        total = torch.zeros((), device=x.device)
+        grad_x = torch.empty_like(x) if with_grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+        for i in range(0, len(x), chunk):
+            xc, tc = x[i:i + chunk], targets[i:i + chunk]
+            logits = masked_padding(xc @ weight.T, n_tokens)
+            lse = logits.logsumexp(dim=-1)
+            real = tc != -1
+            tc = tc.clamp(min=0)[:, None]  # ignored positions pick column 0, then count for nothing
+            total += ((lse - logits.gather(1, tc).squeeze(1)) * real).sum()
+            if with_grads:  # d(loss)/d(logits): softmax minus the one-hot target
+                grad = (logits - lse[:, None]).exp_().scatter_add_(1, tc, -torch.ones_like(tc, dtype=logits.dtype))
+                grad = (grad * real[:, None]).to(x.dtype)
+                grad_x[i:i + chunk] = grad @ weight
+                grad_weight += (grad.T @ xc).float()
+        ctx.save_for_backward(grad_x, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_x, grad_weight = ctx.saved_tensors
+        return grad_x * grad_total.to(grad_x.dtype), (grad_weight * grad_total).to(grad_x.dtype), None, None, None, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -194,13 +240,12 @@ class GPT(nn.Module):
         against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states.
         chunked_loss (training): the same loss by chunked_cross_entropy, and no logits."""
         x = self.hidden_states(idx, kv_cache, n_pad)
+        if targets is None:
+            return self.head(x), None
         if chunked_loss:
-            return None, chunked_cross_entropy(x, self.head, targets)
-        logits = self.head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        return logits, loss
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.n_tokens)
+        logits = self.padded_head(x)
+        return logits[..., : self.n_tokens], cross_entropy(logits, targets, self.n_tokens)
 
     def hidden_states(self, idx, kv_cache=None, n_pad=None):
         """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads.
@@ -234,14 +279,19 @@ class GPT(nn.Module):
             block.attn.kernels = kernels
 
     def head(self, x):
-        """Hidden states (..., n_embd) -> logits (..., n_tokens). Padding rows are computed (the
-        matmul is faster at 50304) but sliced away, so they take part in neither the softmax of
-        the loss nor sampling. A caller that needs few positions' logits passes only those.
-        Outside autocast it computes in x's dtype, also where FSDP gathered the weight in bf16."""
+        """Hidden states (..., n_embd) -> logits (..., n_tokens): the padding rows are sliced away,
+        so that sampling and scoring never see them. A caller that needs few positions' logits
+        passes only those."""
+        return self.padded_head(x)[..., : self.n_tokens]
+
+    def padded_head(self, x):
+        """Hidden states (..., n_embd) -> logits (..., vocab_size), padding columns included (the
+        matmul is faster at 50304). Outside autocast it computes in x's dtype, also where FSDP
+        gathered the weight in bf16."""
         weight = self.lm_head.weight
         if not torch.is_autocast_enabled(x.device.type):
             weight = weight.to(x.dtype)
-        return F.linear(x, weight)[..., : self.n_tokens]
+        return F.linear(x, weight)
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=50, top_p=None, generator=None, n_pad=None,
                  **options):

@@ -122,8 +122,8 @@ def add_checkpoint_and_scale_flags(a):
            "sublayer, or only SDPA's core (less memory, more compute)")
     a("--recompute_every", type=int, default=1, help="recompute in every Nth block only (1: all)")
     a("--chunked_loss", type=int, default=0, choices=[0, 1],
-      help="compute the loss over chunks of positions, never a (B*T, vocab) float32 tensor: less memory, "
-           "one more matmul of the head (on in the presets larger than gpt2-medium)")
+      help="compute the loss and its gradients over chunks of positions, never a (B*T, vocab) float32 tensor: "
+           "less memory (on in the presets larger than gpt2-medium)")
     a("--plan", action="store_true",
       help="print the estimated memory per GPU of this run, then exit: no data, device or log_dir is touched")
     a("--plan_world_size", type=int, default=None, help="the ranks --plan assumes (default: torchrun's, else 1)")

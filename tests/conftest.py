@@ -16,6 +16,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda run wherever CUDA is, and are skipped elsewhere."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
 def make_hf_gpt2(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=128, seed=0, **config):
     """A random Hugging Face GPT-2 whose every parameter (LayerNorms too) is moved off its
     init value, so a loader that skipped or mis-transposed any tensor shows in the logits.
