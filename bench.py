@@ -10,6 +10,7 @@ device's dense matmul rate, the ceiling the FLOP rates are read against. It asse
     python bench.py --parts train -B 32,64,128        # several batch sizes (out of memory is recorded)
     python bench.py --parts train --profile --json X.json   # also where a step's time goes; trace X.trace.json
     python bench.py --parts train --total_batch_size 1048576   # train's tokens per optimizer step (accumulation)
+    python bench.py --parts peers --llmc DIR --build_nanogpt DIR   # beside llm.c and build-nanogpt (CUDA)
 
 MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N without the
 position embedding) against the device's dense bf16 peak.
@@ -38,6 +39,7 @@ import fineweb
 import generate
 import hellaswag
 import memory
+import peers
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
@@ -47,6 +49,7 @@ from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype
 from train_gpt2 import build_parser as trainer_parser, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
+PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
 # What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
 # rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
@@ -88,7 +91,11 @@ PROFILE_IDLE = {  # what the idle row is, by where the step ran
 def build_parser():
     p = Parser(prog="bench.py", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every part")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated, of {', '.join(PARTS)}, and {PEERS} (only when named: needs CUDA, "
+                        "--llmc and --build_nanogpt)")
+    p.add_argument("--llmc", metavar="DIR", default=None, help="peers: a checkout of llm.c")
+    p.add_argument("--build_nanogpt", metavar="DIR", default=None, help="peers: a checkout of build-nanogpt")
     p.add_argument("--json", default=None, help="write the results to this JSON file, rewritten after each result")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, else mps, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -124,7 +131,7 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.parts = args.parts.split(",")
-    if unknown := set(args.parts) - set(PARTS):
+    if unknown := set(args.parts) - set(PARTS) - {PEERS}:
         p.error(f"unknown part(s) {', '.join(sorted(unknown))}")
     try:
         args.device = pick_device(args.device)
@@ -148,6 +155,8 @@ def parse_args(argv=None):
                 p.error(f"--total_batch_size {total} is not a multiple of B*T = {B}*{cfg['seq_len']} = "
                         f"{tokens_per_pass}; try --total_batch_size {suggestion} or another -B")
         check_train_fits(p, cfg, args.device)
+    if PEERS in args.parts:
+        check_peers(p, args)
     if args.json:
         p.check_output("--json", args.json)
     args.trace = None
@@ -157,6 +166,27 @@ def parse_args(argv=None):
         args.trace = os.path.splitext(args.json)[0] + ".trace.json" if args.json else "bench.trace.json"
         p.check_output("--profile's trace", args.trace)
     return args
+
+
+def check_peers(p, args):
+    """One line, before anything runs, where the peers cannot run: no checkout of each, or no GPU."""
+    for flag, path, files, name in (("--llmc", args.llmc, peers.LLMC_FILES, "llm.c"),
+                                    ("--build_nanogpt", args.build_nanogpt, peers.BUILD_NANOGPT_FILES, "build-nanogpt")):
+        if path is None:
+            p.error(f"--parts {PEERS} needs {flag} DIR, a checkout of {name}")
+        try:
+            peers.check_checkout(path, files, name)
+        except peers.PeerError as e:
+            p.fail(f"{flag}: {e}")
+    if not args.device.startswith("cuda"):
+        p.fail(f"--parts {PEERS}: the peers train on a CUDA GPU, and this run's device is {args.device}")
+
+
+def peers_config(args):
+    """The peers' sizes: train's at GPT-2 (124M) on a GPU, the first -B."""
+    cfg = train_config(args, "cuda")
+    return peers.PeersConfig(args.llmc, args.build_nanogpt, cfg["micro_batch_size"][0], cfg["seq_len"],
+                             cfg["total_batch_size"] or TRAINER_TOTAL_BATCH, cfg["steps"], cfg["warmup"])
 
 
 def check_train_fits(p, cfg, device):
@@ -761,6 +791,8 @@ def main(argv=None):
             bench_hellaswag(args, device, record)
         if "generate" in args.parts:
             bench_generate(args, device, record)
+        if PEERS in args.parts:
+            peers.bench_peers(peers_config(args), workdir, record)
     print_table(report["results"])
     for result in report["results"]:
         if result["name"] == "profile":
