@@ -92,24 +92,3 @@ def test_the_chunked_loss_without_gradients_keeps_none():
     assert loss.grad_fn is None
     assert loss.item() == pytest.approx(cross_entropy(x @ weight.T, targets, 20).item(), rel=1e-6)
 
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_compiled_bf16_loss_matches_eager_float32_on_cuda(chunked):
-    """The loss as training runs it (compiled, bf16 autocast) against the sliced reference in eager
-    float32: within bf16's tolerance, the same as the compiled step against eager."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)).cuda()
-    idx = torch.randint(0, N_VOCAB, (4, 256), device="cuda")
-    targets = idx.roll(-1, dims=1)
-    expected_loss, expected = loss_and_gradients(model, lambda: sliced_loss(model, idx, targets))
-    compiled = torch.compile(model)
-
-    def loss():
-        with torch.autocast("cuda", torch.bfloat16):
-            return compiled(idx, targets, chunked_loss=chunked)[1]
-
-    got_loss, grads = loss_and_gradients(model, loss)
-    assert got_loss == pytest.approx(expected_loss, rel=1e-2)
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, rtol=5e-2, atol=5e-3, msg=name)

@@ -1,0 +1,129 @@
+"""What only a GPU shows: the compiled bf16 step against eager, the attention kernel a compiled
+model really runs, the loss as training computes it, FSDP on one GPU, and generation's KV cache in
+bf16. Every test is marked cuda: `python -m pytest -m cuda` runs them where CUDA is, and they are
+skipped elsewhere. Tolerances are bf16's: about 3 significant digits."""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+import train_gpt2
+from conftest import TINY, read_log, run_torchrun, train_records, write_token_shards
+from model import GPT, GPTConfig
+from tokenizer import N_VOCAB, PADDED_VOCAB
+
+pytestmark = pytest.mark.cuda
+CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)
+ON_CUDA = ["--device", "cuda", "--dtype", "bfloat16"]  # after TINY, whose cpu and float32 they override
+
+
+def batch(B=4, T=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, N_VOCAB, (B, T + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]  # on the CPU: the loader's batches, which train_step moves
+
+
+class FixedBatches:
+    """A loader that serves the same batches in the same order, for two runs to compare."""
+
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def next_batch(self):
+        self.i += 1
+        return self.batches[(self.i - 1) % len(self.batches)]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def losses_of(compile_mode, chunked_loss=False, steps=3):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    t = train_gpt2.build_trainable(model, "cuda", torch.bfloat16, grad_accum_steps=2, compile_mode=compile_mode,
+                                   chunked_loss=chunked_loss)
+    loader = FixedBatches([batch(seed=i) for i in range(2)])
+    return [train_gpt2.train_step(t, loader, 1e-3).loss for _ in range(steps)]
+
+
+@pytest.mark.parametrize("chunked_loss", [False, True])
+def test_the_compiled_bf16_step_matches_eager(chunked_loss):
+    eager = losses_of(None)
+    assert losses_of("default", chunked_loss) == pytest.approx(eager, rel=1e-2)
+
+
+def attention_kernels(kernels):
+    """The names of the GPU kernels that a compiled forward under these SDPA backends ran."""
+    model = GPT(CONFIG).cuda()
+    model.set_attention(kernels)
+    compiled = torch.compile(model)
+    idx = batch()[0].cuda()
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        compiled(idx)  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            compiled(idx)
+            torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_the_attention_kernel_chosen_is_the_one_that_runs_under_compile():
+    """A compiled graph picks its kernel when traced: the backends must be set inside the forward."""
+    assert any("flash" in name.lower() for name in attention_kernels([SDPBackend.FLASH_ATTENTION]))
+    assert not any(word in name.lower() for name in attention_kernels([SDPBackend.MATH])
+                   for word in ("flash", "fmha", "attention", "sdpa"))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_compiled_bf16_loss_matches_the_sliced_float32_reference(chunked):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda()
+    idx, targets = (t.cuda() for t in batch())
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    logits = torch.nn.functional.linear(model.hidden_states(idx), model.lm_head.weight)[..., :N_VOCAB]
+    expected_loss, expected = gradients(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = torch.compile(model)(idx, targets, chunked_loss=chunked)[1]
+    got_loss, grads = gradients(loss)
+    assert got_loss == pytest.approx(expected_loss, rel=1e-2)
+    for name, grad in expected.items():
+        assert (grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
+
+
+def test_the_trainer_trains_on_cuda_compiled_and_under_fsdp_on_one_gpu(tmp_path):
+    """The trainer's whole path on a GPU, compiled: one process, then FSDP2 under torchrun on the
+    same GPU, which must give the same losses within bf16's tolerance."""
+    write_token_shards(tmp_path / "data")
+    flags = [*TINY, *ON_CUDA, "--compile", "1", "--data_dir", tmp_path / "data", "-B", "4",
+             "--total_batch_size", "256", "--max_steps", "4"]
+    train_gpt2.main([str(f) for f in flags + ["--log_dir", tmp_path / "one"]])
+    result = run_torchrun("train_gpt2.py", *flags, "--fsdp", "1", "--log_dir", tmp_path / "fsdp", nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, fsdp = (train_records(read_log(tmp_path / name)) for name in ("one", "fsdp"))
+    assert len(one) == len(fsdp) == 4
+    assert [r["train_loss"] for r in fsdp] == pytest.approx([r["train_loss"] for r in one], rel=1e-2)
+
+
+def test_left_padded_generation_with_the_kv_cache_in_bf16_matches_the_whole_forward():
+    """The logits of each new position through the KV cache, in a left-padded batch, against
+    the same positions computed with no cache: bf16 on both sides."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG).cuda().eval()
+    idx = batch(B=3, T=40)[0].cuda()
+    n_pad = torch.tensor([0, 5, 17], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        whole = model.head(model.hidden_states(idx, n_pad=n_pad)).float()
+        kv_cache = [[] for _ in range(CONFIG.n_layer)]
+        cached = [model.head(model.hidden_states(idx[:, :30], kv_cache, n_pad)).float()]
+        cached += [model.head(model.hidden_states(idx[:, i:i + 1], kv_cache, n_pad)).float() for i in range(30, 40)]
+    cached = torch.cat(cached, dim=1)
+    for row, pad in enumerate(n_pad.tolist()):
+        real = slice(pad, None)  # the padding positions' own logits do not matter
+        torch.testing.assert_close(cached[row, real], whole[row, real], rtol=0, atol=0.1)
+        assert (cached[row, 30:].argmax(-1) == whole[row, 30:].argmax(-1)).float().mean() > 0.9
