@@ -10,7 +10,6 @@ with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B 
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -35,6 +34,7 @@ from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_conf
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
+from faults import Faults, parse_fault
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
 from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, build_optimizer
@@ -154,14 +154,6 @@ def add_runtime_flags(a):
     a("--tensorboard", action="store_true", help="also log to TensorBoard, in log_dir/tensorboard (needs tensorboard)")
 
 
-def parse_fault(spec):
-    kind, _, where = spec.partition("@")
-    step, _, rank = where.partition(":")
-    if kind not in Faults.KINDS or not step.isdigit() or (rank and not rank.isdigit()):
-        raise argparse.ArgumentTypeError(f"{spec!r} is not KIND@STEP[:RANK] with KIND one of {', '.join(Faults.KINDS)}")
-    return kind, int(step), int(rank) if rank else None
-
-
 def parse_args(argv=None):
     # A preset's and a config's values become defaults, so flags given on the command line still
     # win, and --help shows them. They are named first, to a parser that leaves --help for later.
@@ -254,7 +246,7 @@ class StepResult:
     muon_lr: float = None  # Muon's, under --optimizer muon: lr times its group's lr_scale
 
 
-def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
+def train_step(t, loader, lr, stop_requested=lambda: False):
     """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
     the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
     optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
@@ -275,8 +267,6 @@ def train_step(t, loader, lr, stop_requested=lambda: False, poison=None):
         last = micro_step == t.grad_accum_steps - 1
         with t.model.no_sync() if ddp and not last else nullcontext(), t.forward_context():
             loss = t.model(x, y, chunked_loss=t.chunked_loss)[1]  # [1]: no logits kept into the next micro-step
-        if poison is not None:
-            loss = poison(loss)
         loss = loss / t.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
         t.scaler.scale(loss).backward()
@@ -356,7 +346,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
 def train(args):
     run = setup(args)
     args, t, log = run.args, run.trainable, run.log
-    faults = Faults(args.fault, run.rank)
+    faults = Faults(args.fault, run.rank, t.raw_model)
     bad_steps = 0  # non-finite steps in a row
     with distributed.StopSignal() as stop:
         step = run.start_step
@@ -373,7 +363,7 @@ def train(args):
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(t, run.train_loader, get_lr(step, args), stop.requested, faults.poison)
+            result = train_step(t, run.train_loader, get_lr(step, args), stop.requested)
             if result is None:
                 run.checkpointer.save(step, t, run.train_loader, args)
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
@@ -680,31 +670,6 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
 
 
 # ----------------------------------------------------------------------------- bookkeeping
-
-class Faults:
-    """Faults injected on purpose (--fault), to test that runs survive them."""
-
-    KINDS = ("nan", "sigterm", "sigkill")
-
-    def __init__(self, specs, rank):
-        self.at_step = {}
-        self.nan_now = False
-        for kind, step, only_rank in specs or []:
-            if only_rank is None or only_rank == rank:
-                self.at_step.setdefault(step, set()).add(kind)
-
-    def before_step(self, step):
-        kinds = self.at_step.get(step, ())
-        self.nan_now = "nan" in kinds
-        if "sigterm" in kinds:
-            os.kill(os.getpid(), signal.SIGTERM)
-        # Only in torchrun's first attempt, so that a restarted worker gets past this step.
-        if "sigkill" in kinds and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def poison(self, loss):
-        return loss * float("nan") if self.nan_now else loss
-
 
 def print_plan(args):
     """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""

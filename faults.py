@@ -1,0 +1,46 @@
+"""Faults injected into a training run on purpose (train_gpt2.py --fault), to test that runs
+survive them: a non-finite loss, a SIGTERM, a SIGKILL, at a given step, on one rank or all.
+The training step knows nothing of them: the loss is poisoned by a hook on the model's forward."""
+import argparse
+import os
+import signal
+
+KINDS = ("nan", "sigterm", "sigkill")
+
+
+def parse_fault(spec):
+    """KIND@STEP[:RANK] -> (kind, step, rank or None); the --fault flag's type."""
+    kind, _, where = spec.partition("@")
+    step, _, rank = where.partition(":")
+    if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
+    return kind, int(step), int(rank) if rank else None
+
+
+class Faults:
+    """The faults of specs (parse_fault's tuples) that fall on rank, fired by before_step."""
+
+    def __init__(self, specs, rank, model):
+        self.at_step = {}
+        self.nan_now = False
+        for kind, step, only_rank in specs or []:
+            if only_rank is None or only_rank == rank:
+                self.at_step.setdefault(step, set()).add(kind)
+        if any("nan" in kinds for kinds in self.at_step.values()):
+            model.register_forward_hook(self.poison)
+
+    def before_step(self, step):
+        kinds = self.at_step.get(step, ())
+        self.nan_now = "nan" in kinds
+        if "sigterm" in kinds:
+            os.kill(os.getpid(), signal.SIGTERM)
+        # Only in torchrun's first attempt, so that a restarted worker gets past this step.
+        if "sigkill" in kinds and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def poison(self, model, inputs, output):
+        """A forward hook: the training loss of a nan step made NaN (evaluation, in eval mode, is not)."""
+        logits, loss = output
+        if self.nan_now and model.training and loss is not None:
+            return logits, loss * float("nan")
+        return output
