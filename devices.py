@@ -37,6 +37,11 @@ if torch_problem(torch.__version__):
     sys.exit(torch_problem(torch.__version__))
 
 
+def compiled(fn, mode):
+    """torch.compile(fn) in mode, one of train_gpt2.py's --compile_mode values ("default": torch's own)."""
+    return torch.compile(fn, mode=None if mode == "default" else mode)
+
+
 def allow_tf32():
     """TF32 matmuls on Ampere and later, without torch 2.9's three-line warning that this call
     will be deprecated (2.10 took the warning back)."""

@@ -52,6 +52,12 @@ LOSS_CHUNK = 4096  # positions whose logits the chunked loss computes at once (8
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+def hf_layout(key, tensor):
+    """The parameter key's tensor in the other one's layout, Hugging Face's or this model's: a
+    transpose is its own inverse."""
+    return tensor.t() if key.endswith(HF_TRANSPOSED) else tensor
+
+
 def padding_mask(n_pad, start, T):
     """(B, 1, T, start + T), True where the query at position start + i may attend to key j:
     j <= start + i, and j is not one of the row's n_pad leading pads. A pad attends to itself,
@@ -361,21 +367,19 @@ class GPT(nn.Module):
         for key in sorted(set(sd) | set(hf_sd)):
             if key not in hf_sd or key not in sd:
                 raise ValueError(f"{source}: parameter {key} is {'missing' if key not in hf_sd else 'unexpected'}")
-            src = hf_sd[key].t() if key.endswith(HF_TRANSPOSED) else hf_sd[key]
+            src = hf_layout(key, hf_sd[key])
             if src.shape != sd[key].shape:
                 raise ValueError(f"{source}: {key} has shape {tuple(src.shape)}, expected {tuple(sd[key].shape)}")
         with torch.no_grad():
             for key, tensor in sd.items():
-                tensor.copy_(hf_sd[key].t() if key.endswith(HF_TRANSPOSED) else hf_sd[key])
+                tensor.copy_(hf_layout(key, hf_sd[key]))
 
     def to_hf_state_dict(self):
         """The inverse of load_hf_state_dict: this model's weights under Hugging Face's names
         and layouts, with the vocabulary cut back to n_tokens (padding rows are never used)."""
         hf_sd = {}
         for key, tensor in self.state_dict().items():
-            if key.endswith(HF_TRANSPOSED):
-                tensor = tensor.t().contiguous()
-            elif key in ("transformer.wte.weight", "lm_head.weight"):
+            if key in ("transformer.wte.weight", "lm_head.weight"):
                 tensor = tensor[: self.n_tokens]
-            hf_sd[key] = tensor
+            hf_sd[key] = hf_layout(key, tensor).contiguous()
         return hf_sd

@@ -10,7 +10,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
+import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
@@ -29,7 +29,7 @@ def shard(model, dtype, compile_mode=None, qkv_by_columns=False):
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     for block in model.transformer.h:
         if compile_mode is not None:
-            block.forward = torch.compile(block.forward, mode=None if compile_mode == "default" else compile_mode)
+            block.forward = devices.compiled(block.forward, compile_mode)
         qkv = block.attn.c_attn.weight if qkv_by_columns else None
         fully_shard(block, mp_policy=policy, shard_placement_fn=lambda p, qkv=qkv: Shard(1) if p is qkv else None)
     fully_shard(model, mp_policy=policy)

@@ -277,7 +277,7 @@ def train_step(t, loader, lr, stop_requested=lambda: False):
     t.scaler.unscale_(t.optimizer)
     norm = clip_grad_norm(t.raw_model.parameters(), t.grad_clip)
     loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
-    loss = loss_sum / (dist.get_world_size() if dist.is_initialized() else 1)
+    loss = loss_sum / distributed.world_size()
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or t.scaler.is_enabled()))
     muon_lr = None
@@ -333,7 +333,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
             model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
                         gradient_as_bucket_view=True)
         if compile_mode is not None:
-            model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+            model = devices.compiled(model, compile_mode)
     optimizer = build_optimizer(raw_model, optimizer, weight_decay, lr, device.split(":")[0], fused_adamw, muon_lr,
                                 muon_momentum, muon_weight_decay)
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
@@ -636,7 +636,7 @@ def estimate_val_loss(t, loader, steps):
     if dist.is_initialized():
         dist.all_reduce(total)
     t.model.train()
-    return total.item() / (steps * (dist.get_world_size() if dist.is_initialized() else 1))
+    return total.item() / (steps * distributed.world_size())
 
 
 @torch.no_grad()
