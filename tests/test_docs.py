@@ -1,0 +1,27 @@
+"""The README and docs/ name only files that exist: every repository path in backquotes and
+every relative link."""
+import glob
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+
+PAGES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
+# A path of the repository's own: a script, module or test, a config, a doc, a results file.
+REPO_PATH = re.compile(r"`((?:tests|docs|configs|bench/results|data)/[\w./-]+|[\w-]+\.(?:py|toml))`")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+WRITTEN_BY_RUNS = {"data/shakespeare/"}  # the demo's shards: named, but made by the first run
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_a_page_names_exists(page):
+    with open(os.path.join(REPO, page)) as f:
+        text = f.read()
+    here = os.path.dirname(os.path.join(REPO, page))
+    missing = [path for path in REPO_PATH.findall(text)
+               if "*" not in path and "NAME" not in path and path not in WRITTEN_BY_RUNS and not os.path.exists(os.path.join(REPO, path))]
+    missing += [link for link in LINK.findall(text)
+                if "://" not in link and not os.path.exists(os.path.join(here, link))]
+    assert not missing, f"{page} names {missing}"
