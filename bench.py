@@ -16,6 +16,7 @@ MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N 
 position embedding) against the device's dense bf16 peak.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import re
@@ -32,6 +33,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
+import torch._inductor.config
 import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
 
@@ -54,9 +56,11 @@ PEERS = "peers"  # a part that runs only when named: other projects' trainers be
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
 # rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
 LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
-# train_gpt2.py's flags that are off by default, that --levers switches on one at a time on CUDA
-# (each stays off unless it measures faster): --attention cudnn, --compile_mode max-autotune-no-cudagraphs.
-OPT_IN_LEVERS = ("cudnn_attention", "max_autotune")
+# What the trainer does not do by default, that --levers switches on one at a time on CUDA where
+# it compiles (each stays off unless it measures faster): --attention cudnn, --compile_mode
+# max-autotune-no-cudagraphs, CUDA graphs (torch.compile's reduce-overhead mode) and Inductor's
+# coordinate-descent tuning of its kernels' launch parameters.
+OPT_IN_LEVERS = ("cudnn_attention", "max_autotune", "cuda_graphs", "coordinate_descent")
 # Memory levers, switched on one at a time on any device: what --chunked_loss 1 and each
 # --recompute mode cost in time (and, on CUDA, save in peak memory).
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
@@ -293,10 +297,10 @@ def train_runs(args, compile_model, device_type):
 
 def levers_that_apply(compile_model, device_type):
     """Compile is only switched off where the project compiles, fused AdamW where it is used (CUDA);
-    cuDNN attention and max-autotune are CUDA's, max-autotune compiled only."""
+    the opt-in levers are CUDA's, and all but cuDNN attention are compile's."""
     on_cuda = device_type == "cuda"
     applies = {"compile": compile_model, "fused_adamw": on_cuda, "cudnn_attention": on_cuda,
-               "max_autotune": on_cuda and compile_model}
+               **{lever: on_cuda and compile_model for lever in ("max_autotune", "cuda_graphs", "coordinate_descent")}}
     return [lever for lever in ALL_LEVERS if applies.get(lever, True)]
 
 
@@ -339,12 +343,14 @@ def train_levers(variant, lever, compile_model):
     the baseline, or one switched off (-name) or on (+name)."""
     if variant == "baseline":
         return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math", chunked_loss=False,
-                    recompute="none")
+                    recompute="none", inductor={})
     levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=PADDED_VOCAB,
-                  attention="auto", chunked_loss=False, recompute="none")
+                  attention="auto", chunked_loss=False, recompute="none", inductor={})
     off = {"-compile": dict(compile=None), "-fused_adamw": dict(fused_adamw=False), "-padded_vocab": dict(vocab_size=N_VOCAB),
            "-flash_attention": dict(attention="math"), "+chunked_loss": dict(chunked_loss=True),
            "+cudnn_attention": dict(attention="cudnn"), "+max_autotune": dict(compile="max-autotune-no-cudagraphs"),
+           "+cuda_graphs": dict(compile="reduce-overhead"),
+           "+coordinate_descent": dict(inductor={"coordinate_descent_tuning": True}),
            **{f"+recompute_{mode}": dict(recompute=mode) for mode in RECOMPUTE[1:]}}
     return {**levers, **off.get(lever, {})}
 
@@ -388,7 +394,10 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
     model = GPT(train_model_config(cfg, levers["vocab_size"])).to(device)
     t = None
+    stack = contextlib.ExitStack()
     try:
+        # Inductor reads its settings when it compiles, on the first step: set for the whole run.
+        stack.enter_context(torch._inductor.config.patch(levers["inductor"]))
         t = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
                             fused_adamw=levers["fused_adamw"], attention=levers["attention"],
                             recompute=levers["recompute"], chunked_loss=levers["chunked_loss"])
@@ -400,7 +409,8 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
         error = f"{type(e).__name__}: {first_line}"
         print(f"warning: train B{micro_batch_size}: {levers}: {error}", file=sys.stderr)
         return {"error": error}
-    finally:  # the next run starts with the device's memory free
+    finally:  # the next run starts with the device's memory free, and Inductor's settings as they were
+        stack.close()
         model = t = None
         gc.collect()
         if device_type == "cuda":

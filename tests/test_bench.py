@@ -3,6 +3,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,7 +145,28 @@ def test_levers_named_are_timed_in_the_tables_order():
     on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
     assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
                                                    "+chunked_loss", "+recompute_full", "+recompute_attn",
-                                                   "+recompute_core_attn", "+cudnn_attention", "+max_autotune"]
+                                                   "+recompute_core_attn", "+cudnn_attention", "+max_autotune",
+                                                   "+cuda_graphs", "+coordinate_descent"]
+
+
+def test_coordinate_descent_tuning_is_on_for_its_run_only(tmp_path, monkeypatch):
+    """Inductor reads its settings when it compiles, at the first step: the lever's setting holds
+    for the whole run, and is as it was once the run is over, whether it succeeded or failed."""
+    import torch._inductor.config as inductor
+
+    seen = []
+
+    def step(t, loader, lr):
+        seen.append(inductor.coordinate_descent_tuning)
+        raise RuntimeError("a lever that breaks")
+    monkeypatch.setattr(bench, "train_step", step)
+    cfg = bench.train_config(bench.parse_args(["--quick", "--device", "cpu"]), "cpu")
+    shard = str(tmp_path / "shard.npy")
+    bench.write_shard(shard, np.zeros(4096, dtype=np.uint16))
+    for lever in ("+coordinate_descent", None):
+        levers = bench.train_levers("project", lever, compile_model=False)
+        assert "error" in bench.time_train_steps(cfg, 2, 1, levers, shard, "cpu", torch.float32)
+    assert seen == [True, False] and inductor.coordinate_descent_tuning is False
 
 
 def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
