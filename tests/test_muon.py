@@ -3,6 +3,8 @@ step equals torch's optimizers applied by hand, the default AdamW path is unchan
 promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
 the step log, --plan) holds with it."""
 
+import os
+
 import pytest
 import torch
 
@@ -249,6 +251,43 @@ def test_resume_into_the_other_optimizer_is_refused_in_one_line(shards, tmp_path
     train(shards, tmp_path / "muon", *STEPS, "--max_steps", "2", *MUON)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "muon", *STEPS, "--max_steps", "4")
     assert "is a run of --optimizer muon, this one is of --optimizer adamw" in message
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (lambda muon, adamw: muon[0].update(momentum_buffer=torch.zeros(5)),
+     "its optimizer state of transformer.h.0.attn.c_attn.weight: momentum_buffer has shape (5,), not its "
+     "parameter's (96, 32)"),
+    (lambda muon, adamw: muon[7].update(momentum_buffer="a string"),
+     "its optimizer state of transformer.h.1.mlp.c_proj.weight: momentum_buffer is a str, not a tensor"),
+    (lambda muon, adamw: adamw[0]["exp_avg_sq"].fill_(float("inf")),
+     "its optimizer state of transformer.wte.weight: exp_avg_sq holds NaN or infinite values"),
+    (lambda muon, adamw: adamw[0].update(step=torch.zeros(2)), "step has shape (2,), not one number"),
+])
+def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path, capsys, tamper, problem):
+    """Muon's and AdamW's state, each tensor checked against its parameter at load: torch loads it as
+    it is, to fail at the first step with a traceback, or train on from infinities."""
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    tamper(state["optimizer"]["muon"]["state"], state["optimizer"]["adamw"]["state"])
+    torch.save(state, tmp_path / "tampered.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
+
+
+def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards, tmp_path, capsys):
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    groups = state["optimizer"]["muon"]["param_groups"]
+    groups.append({**groups[1], "params": []})
+    torch.save(state, tmp_path / "extra.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "extra.pt", "its model and optimizer cannot be restored "
+                   "(ValueError: 3 parameter groups saved, this run's optimizer has 2)")
+
+
+def assert_refused(shards, tmp_path, capsys, bad, problem):
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *STEPS, *MUON,
+                       "--max_steps", "4", "--resume", bad)
+    assert message.startswith(f"error: {bad}: ") and problem in message, message
+    assert not os.path.exists(tmp_path / "resumed" / "log.jsonl") or not train_records(read_log(tmp_path / "resumed"))
 
 
 def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
