@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                   TensorStorageMetadata)
 from torch.futures import Future
 
-from cli import UnreadableFile, first_line, open_regular
+from cli import UnreadableFile, brief, first_line, open_regular
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12
@@ -173,7 +173,7 @@ class PlainDataReader(FileSystemReader):
 def check_shards(path, storage_data):
     """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
     within a regular file directly in path (not a link), stored as this project writes it (no
-    transforms). Messages show the metadata's values only once checked to be short (brief)."""
+    transforms). Messages show the metadata's values only as brief text."""
     sizes = {}
     for info in storage_data.values():
         name = getattr(info, "relative_path", None)
@@ -203,16 +203,6 @@ def is_file_name(name):
     """Whether name (from a .metadata) names a file directly in a directory."""
     return isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") \
         and os.path.basename(name) == name and "\0" not in name
-
-
-def brief(value):
-    """value, from an untrusted .metadata, as text of bounded length: a short string or a
-    machine-sized integer as written, anything else by its type (a shared nested list can be
-    cheap to unpickle and endless to print)."""
-    if (type(value) is str and len(value) <= 100) or (type(value) is int and abs(value) < 1 << 64):
-        return repr(value)
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def entry_problem(entry, value):
