@@ -401,21 +401,29 @@ def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path
     check_rerun_matches_an_uninterrupted_run(args, corpus, out, 1000, docs)
 
 
-def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
-    docs = shakespeare_speeches(10_000)
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
-    out = tmp_path / "out"
+def interrupt_at_third_shard(monkeypatch, corpus, out, prefix, shard_size, chunk_chars):
+    """Shards corpus into out, chunk_chars of text a chunk, interrupted (Ctrl-C) as its third shard
+    is written; returns the paths of the shards asked for, a list to which later runs add."""
     real_write_shard, written = fineweb.write_shard, []
 
-    def interrupt_at_third_shard(path, tokens):
+    def write_shard(path, tokens):
         written.append(path)
         if len(written) == 3:
             raise KeyboardInterrupt
         real_write_shard(path, tokens)
-    monkeypatch.setattr(fineweb, "write_shard", interrupt_at_third_shard)
-    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 300)  # shards are written before the source fails
+    monkeypatch.setattr(fineweb, "write_shard", write_shard)
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", chunk_chars)
     with pytest.raises(KeyboardInterrupt):
-        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+        fineweb.shard_local_files(corpus, str(out), prefix, shard_size)
+    return written
+
+
+def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
+    docs = shakespeare_speeches(10_000)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    # Small chunks: shards are written before the source fails.
+    written = interrupt_at_third_shard(monkeypatch, corpus, out, "edufineweb", 500, chunk_chars=300)
     before = {name: (out / name).read_bytes() for name in listdir(out)}
     assert json.loads(before[fineweb.MANIFEST])["shards"] == 2 and len(before) == 3
 
@@ -613,17 +621,7 @@ def interrupted_at_third_shard(tmp_path, monkeypatch):
     interrupted as its third shard was written: a manifest that agrees with its two shards."""
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
-    real_write_shard, written = fineweb.write_shard, []
-
-    def interrupt_at_third_shard(path, tokens):
-        written.append(path)
-        if len(written) == 3:
-            raise KeyboardInterrupt
-        real_write_shard(path, tokens)
-    monkeypatch.setattr(fineweb, "write_shard", interrupt_at_third_shard)
-    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 1)
-    with pytest.raises(KeyboardInterrupt):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    interrupt_at_third_shard(monkeypatch, corpus, out, "tiny", 7, chunk_chars=1)
     monkeypatch.undo()
     return corpus, out, json.loads((out / fineweb.MANIFEST).read_text())
 
