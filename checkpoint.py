@@ -289,6 +289,16 @@ def save_sharded(path, model, optimizer, state, async_save=False):
     return in_place
 
 
+def save_error(error):
+    """Why a sharded save failed, in one short line: DCP's CheckpointException says it with every
+    failed rank's traceback. An OSError is named first: torch's zip writer, failing on a full disk,
+    says only "unexpected pos"."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (failure, _) = min(error.failures.items(), key=lambda item: (not isinstance(item[1][0], OSError), item[0]))
+        return f"rank {rank}: {type(failure).__name__}: {first_line(failure)}"
+    return first_line(error)
+
+
 def save_train_state(partial, state):
     """Rank 0's part of a sharded checkpoint, begun afresh in partial; why it failed, or None."""
     try:
@@ -590,7 +600,7 @@ class Checkpointer:
         try:
             future = save_sharded(path, t.raw_model, t.optimizer, state, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
-            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
             return
         self.pending = (path, future)
         if future is None:
@@ -607,7 +617,7 @@ class Checkpointer:
                 if dist.is_initialized():
                     dist.barrier()  # rank 0 has renamed it into place
         except (OSError, CheckpointException) as e:
-            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
             return
         if self.rank == 0:
             prune_checkpoints(self.log_dir, self.keep_last)

@@ -3,7 +3,9 @@ step equals torch's optimizers applied by hand, the default AdamW path is unchan
 promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
 the step log, --plan) holds with it."""
 
+import glob
 import os
+import shutil
 
 import pytest
 import torch
@@ -12,8 +14,8 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, final_weights, read_log, run_torchrun,
-                      train, train_records)
+from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
+                      read_log, run_torchrun, train, train_records)
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
@@ -346,6 +348,34 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     assert [(r["train_loss"], r["grad_norm"]) for r in train_records(from_converted)] == [
         (r["train_loss"], r["grad_norm"]) for r in train_records(resumed)]
     assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"))
+
+
+def test_fsdp_with_muon_killed_or_out_of_disk_loses_nothing(shards, tmp_path):
+    """Muon under --fsdp 1: every rank SIGKILLed at step 5, then rerun (--resume auto), ends as the
+    uninterrupted run; a disk that fills during each later sharded save (a file size limit) costs
+    those checkpoints, with a warning, and neither the older one nor a step."""
+    flags = ["--total_batch_size", "256", "-B", "2", "--fsdp", "1", "--max_steps", "6", "--checkpoint_interval", "2",
+             *MUON]
+
+    def fsdp(log_dir, *more, preexec_fn=None):
+        return run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, *more,
+                            preexec_fn=preexec_fn)
+    assert fsdp(tmp_path / "full").returncode == 0
+    full = read_log(tmp_path / "full")
+    assert fsdp(tmp_path / "killed", "--fault", "sigkill@5").returncode != 0
+    assert sorted(listdir(tmp_path / "killed")) == ["ckpt_000002", "ckpt_000004", "log.jsonl"]
+    result = fsdp(tmp_path / "killed")
+    assert result.returncode == 0 and "resuming from" in result.stdout and "at step 4" in result.stdout, result.stderr
+    assert_same_run(full, read_log(tmp_path / "killed"))
+    for name in ("ckpt_000004", "ckpt_000006"):
+        shutil.rmtree(tmp_path / "full" / name)
+    shard_size = max(os.path.getsize(path) for path in glob.glob(str(tmp_path / "full" / "ckpt_000002" / "*.distcp")))
+    result = fsdp(tmp_path / "full", "--resume", "auto", preexec_fn=file_size_limit(shard_size // 2))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"warning: could not write checkpoint {tmp_path / 'full' / 'ckpt_000004'}: rank " in result.stderr
+    assert "OSError: [Errno 27] File too large" in result.stderr
+    assert sorted(listdir(tmp_path / "full")) == ["ckpt_000002", "log.jsonl"]  # no .partial directory left
+    assert_same_run(full, read_log(tmp_path / "full"))
 
 
 def test_plan_counts_one_buffer_per_muon_parameter(capsys):
