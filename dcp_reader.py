@@ -224,8 +224,8 @@ def entry_problem(entry, value):
 
 def tiling_problem(chunks, size):
     """Why chunks (DCP's ChunkStorageMetadata of a tensor of size) do not tile it exactly, or None:
-    a gap would leave that part of the tensor as it was before the load (a fresh init), and an
-    overlap means a gap elsewhere."""
+    a gap would leave that part of the tensor as it was before the load (a fresh init), and DCP
+    never writes chunks that overlap (pieces read into one place, and often a gap elsewhere)."""
     if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
         return f"has no list of at most {MAX_CHUNKS} chunks"
     for chunk in chunks:
@@ -243,7 +243,7 @@ def tiling_problem(chunks, size):
     overlaps &= nonempty[:, None] & nonempty[None]
     overlaps.fill_diagonal_(False)
     if overlaps.any():
-        return "has chunks that overlap (and so leave part of it unread)"
+        return "has chunks that overlap"
     if volumes.sum() != size.numel():
         return "has chunks that leave part of it unread"
     return None
