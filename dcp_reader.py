@@ -25,6 +25,8 @@ from cli import UnreadableFile, brief, first_line, open_regular
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12
+# A .metadata holds a few hundred bytes per chunk: GPT-2 XL's, with AdamW, is ~1 MB per rank.
+MAX_METADATA_BYTES = 1 << 30
 
 
 class CheckpointError(Exception):
@@ -82,13 +84,15 @@ def read_metadata(path):
     file = os.path.join(path, ".metadata")
     try:
         with open_regular(file, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
     except UnreadableFile as e:
         raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{file}: more than {MAX_METADATA_BYTES:,} bytes: no metadata that DCP writes")
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:

@@ -243,6 +243,14 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
                        f"directly in the directory")
 
 
+def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys, monkeypatch):
+    """The bound (1 GiB) lowered below this checkpoint's .metadata: only as much as the bound is read."""
+    import dcp_reader
+    ckpt = copy / "ckpt_000004"
+    monkeypatch.setattr(dcp_reader, "MAX_METADATA_BYTES", os.path.getsize(ckpt / ".metadata") - 1)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
+
+
 def test_a_shard_that_is_a_link_is_refused_even_to_a_good_shard(copy, tmp_path, capsys):
     ckpt = copy / "ckpt_000004"
     shutil.move(ckpt / SHARD, tmp_path / "elsewhere.distcp")
