@@ -461,9 +461,31 @@ def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, 
             for _ in range(n_steps):
                 train_step(t, loader, 6e-4)
             seconds = time.perf_counter() - t0
-        prof.export_chrome_trace(trace)
-        return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps, trace=trace)
+        problem = export_trace(prof, trace)
+        if problem:
+            print(f"warning: could not write the trace {trace}: {problem}", file=sys.stderr)
+        return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps,
+                    trace=None if problem else trace)
     return train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure)
+
+
+def export_trace(prof, path):
+    """Writes prof's Chrome trace to path, whole or not at all; returns why it could not, or None.
+    torch writes PATH.tmp and renames it, and on a failed write (a full disk) only logs it,
+    leaving PATH.tmp and no trace: it writes under another name here, renamed once it is there."""
+    partial = f"{path}.partial{os.getpid()}"
+    try:
+        prof.export_chrome_trace(partial)
+        if not os.path.isfile(partial):
+            return "torch's export wrote nothing (a full disk?)"
+        os.replace(partial, path)
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        for leftover in (partial, partial + ".tmp"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 def profile_table(events, seconds, n_steps, device_type):
@@ -501,7 +523,7 @@ def print_profile(result):
     for row in result["rows"]:
         print(f"{row['category']:<14}{row['ms_per_step']:>10,.1f}{row['share']:>7.1f}%")
     print(f"idle: {result['idle_means']}")
-    print(f"trace: {result['trace']}")
+    print(f"trace: {result['trace'] or 'not written'}")
 
 
 # ----------------------------------------------------------------------------- loader

@@ -14,6 +14,7 @@ either kind, sharded or not, on any number of ranks.
 """
 import concurrent.futures
 import glob
+import math
 import os
 import pickle
 import re
@@ -142,6 +143,9 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
         else:
             raw_model.load_state_dict(state["model"])
             load_optimizer_state(optimizer, state["optimizer"])
+    problems = [p for p in every_rank(optimizer_state_problem(raw_model, optimizer)) if p]
+    if problems:  # every rank stops alike: a rank that trained on would wait for the others forever
+        raise CheckpointError(f"{path}: {problems[0]}")
     with restoring(path, "scaler"):
         if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
             scaler.load_state_dict(state["scaler"])
@@ -186,8 +190,41 @@ def load_optimizer_state(optimizer, saved):
 
 
 def with_run_settings(saved_groups, optimizer):
+    if len(saved_groups) != len(optimizer.param_groups):  # zip would drop the extra ones without a word
+        raise ValueError(f"{len(saved_groups)} parameter groups saved, this run's optimizer has "
+                         f"{len(optimizer.param_groups)}")
     return [{**saved_group, **{k: group[k] for k in RUN_SETTINGS if k in group}}
             for saved_group, group in zip(saved_groups, optimizer.param_groups)]
+
+
+def optimizer_state_problem(raw_model, optimizer):
+    """Why the state that optimizer has loaded cannot step raw_model's parameters, or None: each
+    tensor of a parameter's state (AdamW's moments, Muon's momentum) must be finite and of the
+    parameter's shape, and its step count one finite number. torch loads a tampered one as it is
+    (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN."""
+    names = {id(p): name for name, p in plain_state_dict(dict(raw_model.named_parameters())).items()}
+    for part in torch_optimizers(optimizer):
+        for param in (p for group in part.param_groups for p in group["params"]):
+            for key, value in part.state.get(param, {}).items():
+                problem = state_value_problem(key, value, param)
+                if problem:
+                    return f"its optimizer state of {names.get(id(param), 'a parameter')}: {key} {problem}"
+    return None
+
+
+def state_value_problem(key, value, param):
+    """Why value, of key in param's optimizer state, cannot be stepped, or None."""
+    if not isinstance(value, torch.Tensor):
+        if key == "step" and type(value) in (int, float) and math.isfinite(value):
+            return None
+        return f"is a {type(value).__name__}, not a tensor"
+    if key == "step" and value.numel() != 1:
+        return f"has shape {tuple(value.shape)}, not one number"
+    if key != "step" and value.shape != param.shape:
+        return f"has shape {tuple(value.shape)}, not its parameter's {tuple(param.shape)}"
+    if not (value.to_local() if isinstance(value, DTensor) else value).isfinite().all():
+        return "holds NaN or infinite values"
+    return None
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -250,6 +287,16 @@ def save_sharded(path, model, optimizer, state, async_save=False):
         in_place.set_exception(error) if error else in_place.set_result(None)
     written.add_done_callback(rename_when_written)
     return in_place
+
+
+def save_error(error):
+    """Why a sharded save failed, in one short line: DCP's CheckpointException says it with every
+    failed rank's traceback. An OSError is named first: torch's zip writer, failing on a full disk,
+    says only "unexpected pos"."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (failure, _) = min(error.failures.items(), key=lambda item: (not isinstance(item[1][0], OSError), item[0]))
+        return f"rank {rank}: {type(failure).__name__}: {first_line(failure)}"
+    return first_line(error)
 
 
 def save_train_state(partial, state):
@@ -553,7 +600,7 @@ class Checkpointer:
         try:
             future = save_sharded(path, t.raw_model, t.optimizer, state, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
-            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
             return
         self.pending = (path, future)
         if future is None:
@@ -570,7 +617,7 @@ class Checkpointer:
                 if dist.is_initialized():
                     dist.barrier()  # rank 0 has renamed it into place
         except (OSError, CheckpointException) as e:
-            print(f"warning: could not write checkpoint {path}: {first_line(e)}", file=sys.stderr)
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
             return
         if self.rank == 0:
             prune_checkpoints(self.log_dir, self.keep_last)
@@ -623,6 +670,9 @@ def main(argv=None):
                                     fused_adamw=False, muon_lr=run.get("muon_lr", 1.0))
         with restoring(args.sharded, "model and optimizer"):
             load_sharded(args.sharded, model, optimizer)
+        problem = optimizer_state_problem(model, optimizer)
+        if problem:
+            raise CheckpointError(f"{args.sharded}: {problem}")
     except CheckpointError as e:
         parser.fail(str(e))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())

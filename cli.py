@@ -3,6 +3,7 @@
 import argparse
 import os
 import stat
+import sys
 import tomllib
 
 from atomic import check_writable
@@ -25,17 +26,26 @@ class ConfigError(Exception):
     """A config file that cannot be read, or is not TOML."""
 
 
+# A config file is a few dozen flags: anything longer is another file, named by mistake.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_config(path):
-    """The key-value pairs of the TOML file at path (a regular file: a FIFO or /dev/zero would never end)."""
+    """The key-value pairs of the TOML file at path: a regular file (a FIFO or /dev/zero would
+    never end) of at most MAX_CONFIG_BYTES."""
     try:
         with open_regular(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except UnreadableFile as e:
         raise ConfigError(str(e)) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not TOML ({e})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES:,} bytes: not a config file")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError, not UTF-8, an integer of 4,300+ digits; nested thousands deep
+        raise ConfigError(f"{path}: not TOML ({first_line(e)})") from None
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -110,10 +120,25 @@ def value_problem(action, value):
         return "cannot be set in a config file"
     if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
         names = {bool: "true or false", int: "an integer", str: "a string"}
-        return f"must be {names.get(expected, 'a number')}, not {value!r}"
+        return f"must be {names.get(expected, 'a number')}, not {brief(value)}"
+    if action.type is float and type(value) is int and abs(value) > sys.float_info.max:  # compared exactly
+        return "is too large for a float"
+    if isinstance(value, str) and "\0" in value:  # TOML can hold one, a command line cannot, nor a path
+        return "must not hold a NUL character"
     if action.choices is not None and value not in action.choices:
-        return f"must be one of {', '.join(map(str, action.choices))}, not {value!r}"
+        return f"must be one of {', '.join(map(str, action.choices))}, not {brief(value)}"
     return None
+
+
+def brief(value):
+    """value, read from a user's file, as text of bounded length for a message: a short string or
+    a machine-sized number as written, anything else by its type (a shared nested list can be cheap
+    to read and endless to print)."""
+    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float) \
+            or (type(value) is int and abs(value) < 1 << 64):
+        return repr(value)
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 # A line of a user's text file (for sample.py --prompt @FILE, the whole file) holds at most this

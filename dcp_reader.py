@@ -17,10 +17,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                  TensorStorageMetadata)
 from torch.futures import Future
 
-from cli import UnreadableFile, first_line, open_regular
+from cli import UnreadableFile, brief, first_line, open_regular
+
+# Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
+MAX_CHUNKS = 1 << 12
+# A .metadata holds a few hundred bytes per chunk: GPT-2 XL's, with AdamW, is ~1 MB per rank.
+MAX_METADATA_BYTES = 1 << 30
 
 
 class CheckpointError(Exception):
@@ -78,13 +84,15 @@ def read_metadata(path):
     file = os.path.join(path, ".metadata")
     try:
         with open_regular(file, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
     except UnreadableFile as e:
         raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{file}: more than {MAX_METADATA_BYTES:,} bytes: no metadata that DCP writes")
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
@@ -95,7 +103,8 @@ def read_metadata(path):
         raise CheckpointError(f"{file}: damaged ({first_line(e)})") from None
     except Exception as e:  # truncated, not a pickle at all
         raise CheckpointError(f"{file}: damaged ({type(e).__name__}: {first_line(e)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(metadata, "storage_data", None), dict):
         raise CheckpointError(f"{file}: damaged (not DCP's metadata)")
     return metadata
 
@@ -167,30 +176,37 @@ class PlainDataReader(FileSystemReader):
 
 def check_shards(path, storage_data):
     """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
-    within a regular file directly in path, stored as this project writes it (no transforms)."""
+    within a regular file directly in path (not a link), stored as this project writes it (no
+    transforms). Messages show the metadata's values only as brief text."""
     sizes = {}
     for info in storage_data.values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..") \
-                or os.path.basename(name) != name:
-            raise CheckpointError(f"{path}: refused: its .metadata places a shard outside the directory ({name!r})")
+        if not isinstance(info, _StorageInfo) or not is_file_name(name):
+            raise CheckpointError(f"{path}: refused: its .metadata places a shard at {brief(name)}, "
+                                  f"not a file directly in the directory")
         file = os.path.join(path, name)
-        if info.transform_descriptors:
-            raise CheckpointError(f"{file}: refused: stored through transforms {list(info.transform_descriptors)}, "
-                                  f"which this project never writes")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{file}: refused: stored through transforms, which this project never writes")
         if name not in sizes:
             try:
-                mode_size = os.stat(file)
+                mode_size = os.lstat(file)  # a link could lead anywhere
             except OSError as e:
                 raise CheckpointError(f"{file}: missing shard ({first_line(e)})") from None
             if not stat.S_ISREG(mode_size.st_mode):
-                raise CheckpointError(f"{file}: not a regular file: no shard that train_gpt2.py writes")
+                kind = "a symbolic link" if stat.S_ISLNK(mode_size.st_mode) else "not a regular file"
+                raise CheckpointError(f"{file}: {kind}, not a regular file: no shard that train_gpt2.py writes")
             sizes[name] = mode_size.st_size
-        offset, length = info.offset, info.length
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
                 and offset + length <= sizes[name]):
-            raise CheckpointError(f"{file}: truncated or damaged shard ({length!r} bytes at {offset!r} in its "
-                                  f".metadata; the file holds {sizes[name]})")
+            raise CheckpointError(f"{file}: truncated or damaged shard ({brief(length)} bytes at {brief(offset)} in "
+                                  f"its .metadata; the file holds {sizes[name]})")
+
+
+def is_file_name(name):
+    """Whether name (from a .metadata) names a file directly in a directory."""
+    return isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") \
+        and os.path.basename(name) == name and "\0" not in name
 
 
 def entry_problem(entry, value):
@@ -200,11 +216,40 @@ def entry_problem(entry, value):
     if isinstance(value, torch.Tensor):
         if not isinstance(entry, TensorStorageMetadata):
             return "is declared plain data where this model holds a tensor"
-        if tuple(entry.size) != tuple(value.size()):
-            return f"has shape {tuple(entry.size)}, not this model's {tuple(value.size())} (another model size)"
-        return None
+        size = getattr(entry, "size", None)
+        if not isinstance(size, torch.Size) or size != value.size():
+            shape = tuple(size) if isinstance(size, torch.Size) and len(size) <= 8 else "of another kind"
+            return f"has shape {shape}, not this model's {tuple(value.size())} (another model size)"
+        return tiling_problem(getattr(entry, "chunks", None), size)
     if not isinstance(entry, BytesStorageMetadata):
         return "is declared a tensor where this model holds plain data"
+    return None
+
+
+def tiling_problem(chunks, size):
+    """Why chunks (DCP's ChunkStorageMetadata of a tensor of size) do not tile it exactly, or None:
+    a gap would leave that part of the tensor as it was before the load (a fresh init), and DCP
+    never writes chunks that overlap (pieces read into one place, and often a gap elsewhere)."""
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
+        return f"has no list of at most {MAX_CHUNKS} chunks"
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (isinstance(chunk, ChunkStorageMetadata) and isinstance(offsets, torch.Size)
+                and isinstance(sizes, torch.Size) and len(offsets) == len(sizes) == len(size)):
+            return "has a chunk that is not a block of its shape"
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)):
+            return f"has a chunk outside it ({tuple(sizes)} at {tuple(offsets)})"
+    starts = torch.tensor([list(c.offsets) for c in chunks], dtype=torch.int64).reshape(len(chunks), len(size))
+    ends = starts + torch.tensor([list(c.sizes) for c in chunks], dtype=torch.int64).reshape(len(chunks), len(size))
+    volumes = (ends - starts).prod(dim=1)
+    nonempty = volumes > 0
+    overlaps = ((starts[:, None] < ends[None]) & (starts[None] < ends[:, None])).all(dim=2)
+    overlaps &= nonempty[:, None] & nonempty[None]
+    overlaps.fill_diagonal_(False)
+    if overlaps.any():
+        return "has chunks that overlap"
+    if volumes.sum() != size.numel():
+        return "has chunks that leave part of it unread"
     return None
 
 

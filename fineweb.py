@@ -32,14 +32,15 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
-from cli import Parser
-from data import SHARD_DTYPE, SPLITS, list_shards, shard_name, split_of, write_shard
+from cli import Parser, UnreadableFile, read_text
+from data import SHARD_DTYPE, SPLITS, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 MANIFEST = "fineweb_manifest.json"
+MAX_MANIFEST_CHARS = 1 << 26  # a manifest lists its inputs: ~150 characters each, hundreds of thousands of them
 FRESH = {"shards": 0, "document": 0, "skip": 0, "complete": False}  # a manifest's progress before the first shard
 CHUNK_CHARS = 1 << 20  # text per worker task: ~250K tokens, ~0.1 s of encoding, so sending it costs little
 MAX_ID = int(np.iinfo(SHARD_DTYPE).max)
@@ -291,14 +292,16 @@ def hub_documents(dataset, name, split, text_field, streaming, skip):
 
 
 def read_manifest(output_dir):
+    """The manifest in output_dir, or None; read as any user's file is: a regular file, bounded."""
     path = os.path.join(output_dir, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_text(path, MAX_MANIFEST_CHARS))
         check_manifest(manifest)
-    except (OSError, ValueError) as e:
+    except UnreadableFile as e:
+        raise unreadable_manifest(output_dir, str(e).removeprefix(f"{path}: ")) from None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise unreadable_manifest(output_dir, e) from None
     return manifest
 
@@ -396,7 +399,44 @@ def start_or_resume(output_dir, prefix, run):
     if missing:
         raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']} shards, but "
                          f"{shard_name(prefix, split_of(missing[0]), missing[0])} is missing; delete it and rerun")
+    # An incomplete run's next shard may be there: a kill came between it and the manifest.
+    last = manifest["shards"] - 1 if manifest["complete"] else manifest["shards"]
+    unlisted = sorted(index for index in ours if index > last)
+    if unlisted:
+        raise InputError(f"{output_dir} holds {os.path.basename(ours[unlisted[0]])}, which its {MANIFEST} does not "
+                         f"list; training would read it too: move it, or delete {output_dir} and rerun")
+    try:
+        check_written(manifest, run["shard_size"], [ours[index] for index in range(manifest["shards"])])
+    except ValueError as e:  # ShardError too
+        raise unreadable_manifest(output_dir, e) from None
     return manifest
+
+
+def check_written(manifest, shard_size, paths):
+    """Raises ValueError unless the shards at paths (the manifest's, in order) hold what it says:
+    shard_size tokens each (the last of a complete run, the rest of its tokens), and `document`
+    documents, one <|endoftext|> each, before its resume point, where the next document starts.
+    Reads every shard written: a resume from counters that lie would write a corpus that is not."""
+    sizes = [shard_size] * len(paths)
+    if manifest["complete"]:
+        sizes[-1] = manifest["tokens"] - (len(paths) - 1) * shard_size
+    shards = [Shard(path) for path in paths]
+    for shard, size in zip(shards, sizes):
+        if shard.n_tokens != size:
+            raise ValueError(f"{os.path.basename(shard.path)} holds {shard.n_tokens:,} tokens, not {size:,}")
+    resume_at = sum(sizes) - manifest["skip"]  # in the stream of every shard, end to end
+    documents, position, chunk = 0, 0, 1 << 24
+    for shard in shards:
+        before = min(shard.n_tokens, resume_at - position)  # this shard's tokens before the resume point
+        for start in range(0, before, chunk):
+            documents += int(np.count_nonzero(shard.read(start, min(chunk, before - start)) == EOT))
+        if position <= resume_at < position + shard.n_tokens and shard.read(resume_at - position, 1)[0] != EOT:
+            raise ValueError(f"its resume point, {manifest['skip']:,} tokens before the end of its shards, is not "
+                             f"where a document starts")
+        position += shard.n_tokens
+    if documents != manifest["document"]:
+        raise ValueError(f"document is {manifest['document']:,}, but its shards hold {documents:,} documents "
+                         f"before its resume point")
 
 # -----------------------------------------------------------------------------
 # sharding

@@ -30,7 +30,7 @@ import logdir
 import memory
 import sharding
 from checkpoint import CheckpointError, Checkpointer, load_model
-from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
+from cli import Parser, gpt2_vocab_problem, preset_names, preset_path
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
@@ -41,7 +41,6 @@ from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, build_op
 from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PRESETS = {name: read_config(preset_path(name)) for name in preset_names()}  # configs/NAME.toml
 REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 
@@ -61,8 +60,8 @@ def build_parser(add_help=True):
 
 def add_run_and_model_flags(a):
     """What to train on, where its files go, and the model."""
-    a("--preset", default="gpt2", choices=PRESETS, metavar="NAME",
-      help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(PRESETS)}")
+    a("--preset", default="gpt2", choices=preset_names(), metavar="NAME",  # only the one named is read
+      help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(preset_names())}")
     a("--config", metavar="FILE", default=None,
       help="a TOML file of the same form as a preset's (keys: the flags' long names without dashes), read after "
            "the preset; flags given on the command line override both")
@@ -167,6 +166,9 @@ def parse_args(argv=None):
     if named.config is not None:
         parser.set_defaults(**parser.config_defaults(named.config, not_keys=("preset", "config")))
     args = parser.parse_args(argv)
+    for action in parser._actions:  # from a flag or a file: inf would train on, to fail only at the end
+        if action.type is float and not math.isfinite(getattr(args, action.dest)):
+            parser.error(f"--{action.dest} must be a finite number, not {getattr(args, action.dest)}")
     if args.plan_world_size is not None and args.plan_world_size < 1:  # 0 would read as torchrun's, or 1
         parser.error(f"--plan_world_size must be positive, not {args.plan_world_size}")
     if args.decay_steps is None:

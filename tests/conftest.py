@@ -74,13 +74,14 @@ def write_token_shards(directory, n_train=3, tokens_per_shard=12_000, n_val=4_00
     return paths
 
 
-def popen_torchrun(*args, nproc=2, torchrun_flags=()):
-    """torchrun on CPU (gloo) in its own process group, so a hung run's workers die with it."""
+def popen_torchrun(*args, nproc=2, torchrun_flags=(), preexec_fn=None):
+    """torchrun on CPU (gloo) in its own process group, so a hung run's workers die with it;
+    preexec_fn as run_script's (its limits hold for the workers too)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *torchrun_flags, *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
 
 
 def finish_torchrun(proc, timeout=300):
@@ -94,8 +95,8 @@ def finish_torchrun(proc, timeout=300):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_torchrun(*args, nproc=2, timeout=300):
-    return finish_torchrun(popen_torchrun(*args, nproc=nproc), timeout)
+def run_torchrun(*args, nproc=2, timeout=300, preexec_fn=None):
+    return finish_torchrun(popen_torchrun(*args, nproc=nproc, preexec_fn=preexec_fn), timeout)
 
 
 def make_tiny_gpt(vocab_size=50304, block_size=64, seed=0):

@@ -9,7 +9,7 @@ import torch
 
 import bench
 import memory
-from conftest import disk_full, exit_message, run_script
+from conftest import disk_full, exit_message, file_size_limit, run_script
 from model import GPTConfig
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
@@ -337,3 +337,15 @@ def test_the_trace_goes_beside_the_json(tmp_path):
     assert bench.parse_args(["--quick", "--profile"]).trace == "bench.trace.json"
     assert bench.parse_args(["--quick", "--profile", "--json", str(tmp_path / "x.json")]).trace == str(tmp_path / "x.trace.json")
     assert bench.parse_args(["--quick"]).trace is None
+
+
+def test_a_trace_that_cannot_be_written_is_said_and_leaves_nothing(tmp_path):
+    """torch's export only logs a failed write, leaving X.trace.json.tmp and no trace."""
+    result = run_script("bench.py", "--quick", "--device", "cpu", "--parts", "train", "--baseline", "0", "--steps", "1",
+                        "--warmup", "1", "--profile", "--json", tmp_path / "x.json",
+                        preexec_fn=file_size_limit(200_000))  # the results fit, the trace not
+    assert result.returncode == 0, result.stderr
+    assert f"warning: could not write the trace {tmp_path / 'x.trace.json'}: " in result.stderr
+    assert result.stdout.rstrip().endswith("trace: not written")
+    assert os.listdir(tmp_path) == ["x.json"]
+    assert json.loads((tmp_path / "x.json").read_text())["results"][-1]["trace"] is None

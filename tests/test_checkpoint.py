@@ -15,8 +15,9 @@ import export_hf
 import hellaswag
 import sample
 from conftest import (EXAMPLES, REPO, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
-                      train, write_jsonl)
+                      one_line_error, read_metadata, run_bounded, train, write_jsonl)
 from model import GPT, GPTConfig
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
 
@@ -148,7 +149,7 @@ SHARD = "__0_0.distcp"  # what save_sharded writes in one process
     (os.remove, SHARD, "missing shard"),
     (zero, SHARD, "damaged shard (UnpicklingError"),
     (truncate, SHARD, "truncated or damaged shard"),
-    (to_dev_zero, SHARD, "not a regular file"),
+    (to_dev_zero, SHARD, "a symbolic link, not a regular file"),
     (to_dev_zero, ".metadata", "a device, not a regular file"),
 ])
 def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
@@ -175,6 +176,86 @@ def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy
     state = checkpoint.load_checkpoint(str(copy / "ckpt_000002"))
     torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint.TRAIN_STATE)
     assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
+
+
+def edit_metadata(ckpt, edit):
+    """Rewrites ckpt's .metadata as edit(metadata) leaves it: DCP's own classes, lying values."""
+    metadata = read_metadata(ckpt)
+    edit(metadata)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+WTE = "model.transformer.wte.weight"  # (256, 32), saved as one chunk
+
+
+def chunk(offsets, sizes):
+    return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+
+@pytest.mark.parametrize("chunks, problem", [
+    ([], "has chunks that leave part of it unread"),
+    ([chunk([0, 0], [128, 32]), chunk([64, 0], [128, 32])], "has chunks that overlap"),  # rows 192-255 unread
+    ([chunk([0, 0], [256, 32]), chunk([256, 0], [1, 32])], "has a chunk outside it ((1, 32) at (256, 0))"),
+])
+def test_chunks_that_do_not_tile_a_tensor_are_refused_by_every_reader_and_by_resume(copy, shards, tmp_path, capsys,
+                                                                                    chunks, problem):
+    """A weight whose chunks leave part of it unread would keep whatever the reader's model held there."""
+    ckpt = copy / "ckpt_000004"
+    edit_metadata(ckpt, lambda m: setattr(m.state_dict_metadata[WTE], "chunks", chunks))
+    expected = f"refused: its entry {WTE} {problem}"
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert expected in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt)
+
+
+def shard_info(metadata):
+    return next(iter(metadata.storage_data.values()))
+
+
+def nested_list(depth):
+    """A list that pickles in a few hundred bytes and prints as 2**depth elements."""
+    value = []
+    for _ in range(depth):
+        value = [value, value]
+    return value
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda m: setattr(m, "storage_data", None), "damaged (not DCP's metadata)"),
+    (lambda m: setattr(shard_info(m), "relative_path", "__0_0.distcp\0"),
+     "places a shard at '__0_0.distcp\\x00', not a file directly in the directory"),
+    (lambda m: setattr(shard_info(m), "relative_path", 7), "places a shard at 7, not a file"),
+    (lambda m: setattr(shard_info(m), "offset", 10**5000), "bytes at an int in its .metadata"),
+])
+def test_metadata_values_of_the_wrong_type_are_one_line_in_every_reader(copy, tmp_path, capsys, edit, expected):
+    ckpt = copy / "ckpt_000004"
+    edit_metadata(ckpt, edit)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+
+
+def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
+    """The refusal names it by its type: formatting it would never end, nor its memory stop growing."""
+    ckpt = copy / "ckpt_000004"
+    edit_metadata(ckpt, lambda m: setattr(shard_info(m), "relative_path", nested_list(60)))
+    assert os.path.getsize(ckpt / ".metadata") < 100_000
+    message = one_line_error(run_bounded("checkpoint.py", ckpt, tmp_path / "out.pt"))
+    assert message == (f"checkpoint.py: error: {ckpt}: refused: its .metadata places a shard at a list, not a file "
+                       f"directly in the directory")
+
+
+def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys, monkeypatch):
+    """The bound (1 GiB) lowered below this checkpoint's .metadata: only as much as the bound is read."""
+    import dcp_reader
+    ckpt = copy / "ckpt_000004"
+    monkeypatch.setattr(dcp_reader, "MAX_METADATA_BYTES", os.path.getsize(ckpt / ".metadata") - 1)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
+
+
+def test_a_shard_that_is_a_link_is_refused_even_to_a_good_shard(copy, tmp_path, capsys):
+    ckpt = copy / "ckpt_000004"
+    shutil.move(ckpt / SHARD, tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", ckpt / SHARD)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / SHARD}: a symbolic link, not a regular file")
 
 
 def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():

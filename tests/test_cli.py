@@ -6,7 +6,8 @@ import os
 import pytest
 
 import train_gpt2
-from conftest import exit_message
+from cli import MAX_CONFIG_BYTES, preset_names
+from conftest import REPO, TINY, error_of, exit_message, one_line_error, run_bounded
 
 
 def write(path, text):
@@ -23,7 +24,7 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
 
 
 def test_every_preset_is_a_valid_config():
-    for name in train_gpt2.PRESETS:
+    for name in preset_names():
         assert train_gpt2.parse_args(["--preset", name]).preset == name
 
 
@@ -39,6 +40,14 @@ def test_every_preset_is_a_valid_config():
     ("dtype = 'float64'", "dtype must be one of auto, bfloat16, float16, float32, not 'float64'"),
     ("fault = ['nan@1']", "fault cannot be set in a config file"),
     ("n_layer = ", "not TOML"),
+    pytest.param("max_lr = " + "9" * 400, "max_lr is too large for a float", id="400 digits"),
+    pytest.param("max_lr = " + "[" * 4000 + "]" * 4000, "not TOML (maximum recursion depth exceeded", id="deep array"),
+    pytest.param("max_lr = " + "{a = " * 4000 + "1" + "}" * 4000, "not TOML (maximum recursion depth exceeded",
+                 id="deep inline table"),
+    pytest.param("max_lr" + ".a" * 4000 + " = 1", "max_lr must be a number, not a dict",  # its repr: 4000 deep
+                 id="deep dotted key"),
+    ('log_dir = "log\\u0000x"', "log_dir must not hold a NUL character"),
+    pytest.param("n_layer = '" + "x" * 1000 + "'", "n_layer must be an integer, not a str", id="long string"),
 ])
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, expected):
     config = write(tmp_path / "run.toml", text)
@@ -91,3 +100,46 @@ def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, mon
         if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.help:
             shown = formatter._get_help_string(action)
             assert "%(default)s" in shown or "(default:" in shown, action.dest
+
+
+def test_a_config_file_too_large_is_one_line(tmp_path, capsys):
+    with open(tmp_path / "huge.toml", "wb") as f:
+        f.truncate(6 << 30)  # sparse: it takes no disk
+    message = exit_message(capsys, train_gpt2.main, "--config", tmp_path / "huge.toml")
+    assert message.endswith(f"{tmp_path / 'huge.toml'}: more than {MAX_CONFIG_BYTES:,} bytes: not a config file (see --help)")
+
+
+@pytest.mark.parametrize("flag", ["max_lr", "muon_lr", "weight_decay", "muon_weight_decay"])
+def test_an_infinite_rate_or_decay_is_refused_from_a_flag_or_a_file(tmp_path, capsys, flag):
+    """inf would train on, and stop only at the end, its weights not finite."""
+    flags = ["--optimizer", "muon", "--max_steps", "1", "--data_dir", tmp_path / "no_data"]
+    assert error_of(capsys, *flags, f"--{flag}", "inf").endswith(f": error: --{flag} must be a finite number, not inf "
+                                                                 f"(see --help)")
+    config = write(tmp_path / "run.toml", f"{flag} = inf")
+    assert f"--{flag} must be a finite number, not inf" in exit_message(capsys, train_gpt2.main, "--config", config)
+
+
+# Every preset but gpt2, and a broken and a FIFO one: only the preset asked for is read.
+PRESETS_AS_ASKED = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import cli
+cli.CONFIG_DIR = {configs!r}
+import train_gpt2
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+def test_only_the_preset_asked_for_is_read(tmp_path):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "gpt2.toml").write_text(open(os.path.join(REPO, "configs", "gpt2.toml")).read())
+    (configs / "broken.toml").write_text("n_layer = ")
+    os.mkfifo(configs / "fifo.toml")
+    script = write(tmp_path / "presets.py", PRESETS_AS_ASKED.format(repo=REPO, configs=str(configs)))
+    result = run_bounded(script, "--preset", "gpt2", "--plan")
+    assert result.returncode == 0 and "124,475,904 parameters" in result.stdout, result.stderr
+    assert one_line_error(run_bounded(script, "--preset", "broken")).startswith(
+        f"presets.py: error: {configs / 'broken.toml'}: not TOML")
+    assert one_line_error(run_bounded(script, "--preset", "fifo")).startswith(
+        f"presets.py: error: {configs / 'fifo.toml'}: a FIFO, not a regular file")

@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 import fineweb
 from bench import baseline_tokenize
-from conftest import DOCS, REPO, listdir, run_script, write_docs_jsonl
+from conftest import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
 from data import Shard, shard_name
 from tokenizer import EOT, get_encoding
 
@@ -400,21 +401,29 @@ def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path
     check_rerun_matches_an_uninterrupted_run(args, corpus, out, 1000, docs)
 
 
-def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
-    docs = shakespeare_speeches(10_000)
-    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
-    out = tmp_path / "out"
+def interrupt_at_third_shard(monkeypatch, corpus, out, prefix, shard_size, chunk_chars):
+    """Shards corpus into out, chunk_chars of text a chunk, interrupted (Ctrl-C) as its third shard
+    is written; returns the paths of the shards asked for, a list to which later runs add."""
     real_write_shard, written = fineweb.write_shard, []
 
-    def interrupt_at_third_shard(path, tokens):
+    def write_shard(path, tokens):
         written.append(path)
         if len(written) == 3:
             raise KeyboardInterrupt
         real_write_shard(path, tokens)
-    monkeypatch.setattr(fineweb, "write_shard", interrupt_at_third_shard)
-    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 300)  # shards are written before the source fails
+    monkeypatch.setattr(fineweb, "write_shard", write_shard)
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", chunk_chars)
     with pytest.raises(KeyboardInterrupt):
-        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+        fineweb.shard_local_files(corpus, str(out), prefix, shard_size)
+    return written
+
+
+def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, monkeypatch):
+    docs = shakespeare_speeches(10_000)
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "out"
+    # Small chunks: shards are written before the source fails.
+    written = interrupt_at_third_shard(monkeypatch, corpus, out, "edufineweb", 500, chunk_chars=300)
     before = {name: (out / name).read_bytes() for name in listdir(out)}
     assert json.loads(before[fineweb.MANIFEST])["shards"] == 2 and len(before) == 3
 
@@ -607,19 +616,36 @@ def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_pat
     assert {name: (out / name).read_bytes() for name in listdir(out)} == before
 
 
-def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path):
-    corpus, out, manifest = sharded_docs(tmp_path)
-    incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
-    past_the_last = len(stream_of(DOCS[-1:])) + 1  # fits in the shards' tokens, but not in the corpus
-    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) - 1, "skip": past_the_last}))
-    with pytest.raises(fineweb.InputError, match=r"resumes 1 tokens past the end of"):
+def interrupted_at_third_shard(tmp_path, monkeypatch):
+    """(corpus, output dir, its manifest) of DOCS sharded 7 tokens a shard, a document a chunk,
+    interrupted as its third shard was written: a manifest that agrees with its two shards."""
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
+    out = tmp_path / "out"
+    interrupt_at_third_shard(monkeypatch, corpus, out, "tiny", 7, chunk_chars=1)
+    monkeypatch.undo()
+    return corpus, out, json.loads((out / fineweb.MANIFEST).read_text())
+
+
+def rewrite_same_size(corpus, docs):
+    """Replaces corpus with docs, padded with blank lines (which the reader skips) to its size:
+    another corpus that the manifest's identity, its inputs' paths and sizes, does not tell apart."""
+    size = os.path.getsize(corpus)
+    write_docs_jsonl(corpus, docs)
+    with open(corpus, "a") as f:
+        f.write("\n" * (size - os.path.getsize(corpus)))
+    assert os.path.getsize(corpus) == size
+
+
+def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path, monkeypatch):
+    corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
+    assert manifest["shards"] == 2 and manifest["document"] == 0 and manifest["skip"] == 14  # DOCS[0] spans them
+    rewrite_same_size(corpus, ["short"])
+    with pytest.raises(fineweb.InputError, match=r"resumes 12 tokens past the end of"):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    assert (out / "tiny_val_000000.npy").exists()  # the recorded shard stays
-    fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)
-    os.remove(tmp_path / "out2" / "tiny_train_000001.npy")
-    (tmp_path / "out2" / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"shards": 3, "document": 0, "skip": 0}))
-    with pytest.raises(fineweb.InputError, match="records 3 shards, but tiny_train_000001.npy is missing"):
-        fineweb.shard_local_files(corpus, str(tmp_path / "out2"), "tiny", 7)
+    assert (out / "tiny_val_000000.npy").exists()  # the recorded shards stay
+    os.remove(out / "tiny_train_000001.npy")
+    with pytest.raises(fineweb.InputError, match="records 2 shards, but tiny_train_000001.npy is missing"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
 
 
 @pytest.mark.parametrize("progress, problem", [
@@ -643,11 +669,53 @@ def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_noth
     assert {name: (out / name).read_bytes() for name in listdir(out)} == before
 
 
-def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path):
-    corpus, out, manifest = sharded_docs(tmp_path)
-    incomplete = {k: v for k, v in manifest.items() if k not in ("documents", "tokens")} | {"complete": False}
-    # As many shards as there are, each document one token: a count the shards allow, the corpus not
-    (out / fineweb.MANIFEST).write_text(json.dumps(incomplete | {"document": len(DOCS) + 3, "skip": 0}))
-    with pytest.raises(fineweb.InputError, match=rf"resumes at document {len(DOCS) + 3} past the end of {corpus}: "):
+def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path, monkeypatch):
+    corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
+    monkeypatch.setattr(fineweb, "CHUNK_CHARS", 1)  # the interrupted run's chunks: its resume point is at a document
+    rewrite_same_size(corpus, DOCS[:1])
+    out.joinpath(fineweb.MANIFEST).write_text(json.dumps(manifest | {"shards": 1, "document": 1, "skip": 0}))
+    os.remove(out / "tiny_train_000001.npy")
+    with pytest.raises(fineweb.InputError, match=rf"resumes at document 1 past the end of {corpus}: "):
         fineweb.shard_local_files(corpus, str(out), "tiny", 7)
-    assert len(listdir(out)) == manifest["shards"] + 1  # the recorded shards stay, with the manifest
+    assert sorted(listdir(out)) == sorted([fineweb.MANIFEST, "tiny_val_000000.npy"])  # the recorded shard stays
+
+
+def test_counters_that_disagree_with_the_shards_are_refused_touching_nothing(tmp_path, monkeypatch):
+    """A resume from counters that lie would tokenize the wrong documents into the next shards."""
+    corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
+    for lie, problem in [
+        ({"skip": 0}, "document is 0, but its shards hold 1 documents before its resume point"),  # from the start again
+        ({"skip": 3}, "its resume point, 3 tokens before the end of its shards, is not where a document starts"),
+        ({"shards": 1, "document": 2, "skip": 0}, "document is 2, but its shards hold 1 documents"),
+    ]:
+        (out / fineweb.MANIFEST).write_text(json.dumps(manifest | lie))
+        before = {name: (out / name).read_bytes() for name in listdir(out)}
+        with pytest.raises(fineweb.InputError, match=rf"unreadable manifest \({re.escape(problem)}"):
+            fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        assert {name: (out / name).read_bytes() for name in listdir(out)} == before
+    (out / fineweb.MANIFEST).write_text(json.dumps(manifest))
+    fineweb.write_shard(str(out / "tiny_train_000001.npy"), np.full(5, EOT))
+    with pytest.raises(fineweb.InputError, match=r"unreadable manifest \(tiny_train_000001.npy holds 5 tokens, not 7\)"):
+        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+
+
+def test_a_shard_the_manifest_does_not_list_is_refused(tmp_path):
+    corpus, out, manifest = sharded_docs(tmp_path)
+    extra = out / shard_name("tiny", "train", 99)
+    fineweb.write_shard(str(extra), np.full(7, EOT))
+    result = run_cli("--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 7)
+    one_line_error(result, f"{out} holds tiny_train_000099.npy, which its {fineweb.MANIFEST} does not list; training "
+                           f"would read it too")
+    assert extra.exists() and json.loads((out / fineweb.MANIFEST).read_text()) == manifest
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "huge"])
+def test_a_manifest_that_is_not_a_regular_file_or_too_large_is_one_line(tmp_path, kind):
+    corpus, out, _ = sharded_docs(tmp_path)
+    os.remove(out / fineweb.MANIFEST)
+    target = never_ending_inputs(tmp_path)[kind]
+    os.symlink(target, out / fineweb.MANIFEST) if kind == "/dev/zero" else os.rename(target, out / fineweb.MANIFEST)
+    result = run_bounded("fineweb.py", "--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 7)
+    problem = {"/dev/zero": "a device, not a regular file", "fifo": "a FIFO, not a regular file",
+               "huge": f"more than {fineweb.MAX_MANIFEST_CHARS:,} characters"}[kind]
+    one_line_error(result, f"{out / fineweb.MANIFEST}: unreadable manifest ({problem})")

@@ -8,6 +8,7 @@ import torch
 
 import memory
 import train_gpt2
+from cli import preset_names
 from conftest import REPO, exit_message, run_script
 from model import GPT, GPTConfig, RECOMPUTE
 
@@ -86,7 +87,7 @@ def test_plan_of_an_absurd_depth_is_printed_at_once():
 
 def test_parameter_count_of_every_preset():
     assert memory.n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
-    for name in train_gpt2.PRESETS:
+    for name in preset_names():
         config, _ = memory.preset_model(name)
         with torch.device("meta"):
             model = GPT(config)
@@ -94,7 +95,7 @@ def test_parameter_count_of_every_preset():
 
 
 def test_memory_reads_each_preset_as_the_trainer_does():
-    for name in train_gpt2.PRESETS:
+    for name in preset_names():
         args = train_gpt2.parse_args(["--preset", name])
         assert memory.preset_model(name) == (train_gpt2.model_config(args), bool(args.chunked_loss)), name
 

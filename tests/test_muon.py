@@ -3,6 +3,10 @@ step equals torch's optimizers applied by hand, the default AdamW path is unchan
 promise of the trainer (accumulation, the non-finite skip, fp16 loss scaling, DDP, exact resume,
 the step log, --plan) holds with it."""
 
+import glob
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -10,8 +14,8 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, final_weights, read_log, run_torchrun,
-                      train, train_records)
+from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
+                      read_log, run_torchrun, train, train_records)
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
@@ -251,6 +255,43 @@ def test_resume_into_the_other_optimizer_is_refused_in_one_line(shards, tmp_path
     assert "is a run of --optimizer muon, this one is of --optimizer adamw" in message
 
 
+@pytest.mark.parametrize("tamper, problem", [
+    (lambda muon, adamw: muon[0].update(momentum_buffer=torch.zeros(5)),
+     "its optimizer state of transformer.h.0.attn.c_attn.weight: momentum_buffer has shape (5,), not its "
+     "parameter's (96, 32)"),
+    (lambda muon, adamw: muon[7].update(momentum_buffer="a string"),
+     "its optimizer state of transformer.h.1.mlp.c_proj.weight: momentum_buffer is a str, not a tensor"),
+    (lambda muon, adamw: adamw[0]["exp_avg_sq"].fill_(float("inf")),
+     "its optimizer state of transformer.wte.weight: exp_avg_sq holds NaN or infinite values"),
+    (lambda muon, adamw: adamw[0].update(step=torch.zeros(2)), "step has shape (2,), not one number"),
+])
+def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path, capsys, tamper, problem):
+    """Muon's and AdamW's state, each tensor checked against its parameter at load: torch loads it as
+    it is, to fail at the first step with a traceback, or train on from infinities."""
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    tamper(state["optimizer"]["muon"]["state"], state["optimizer"]["adamw"]["state"])
+    torch.save(state, tmp_path / "tampered.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
+
+
+def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards, tmp_path, capsys):
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    groups = state["optimizer"]["muon"]["param_groups"]
+    groups.append({**groups[1], "params": []})
+    torch.save(state, tmp_path / "extra.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "extra.pt", "its model and optimizer cannot be restored "
+                   "(ValueError: 3 parameter groups saved, this run's optimizer has 2)")
+
+
+def assert_refused(shards, tmp_path, capsys, bad, problem):
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *STEPS, *MUON,
+                       "--max_steps", "4", "--resume", bad)
+    assert message.startswith(f"error: {bad}: ") and problem in message, message
+    assert not os.path.exists(tmp_path / "resumed" / "log.jsonl") or not train_records(read_log(tmp_path / "resumed"))
+
+
 def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     model = tiny_model()
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
@@ -307,6 +348,37 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     assert [(r["train_loss"], r["grad_norm"]) for r in train_records(from_converted)] == [
         (r["train_loss"], r["grad_norm"]) for r in train_records(resumed)]
     assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"))
+
+
+def test_fsdp_with_muon_killed_or_out_of_disk_loses_nothing(shards, tmp_path):
+    """Muon under --fsdp 1: every rank SIGKILLed at step 5, perhaps while step 4's checkpoint is
+    still being written in the background, then rerun (--resume auto), ends as the uninterrupted
+    run; a disk that fills during each later sharded save (a file size limit) costs those
+    checkpoints, with a warning, and neither the older one nor a step."""
+    flags = ["--total_batch_size", "256", "-B", "2", "--fsdp", "1", "--max_steps", "6", "--checkpoint_interval", "2",
+             *MUON]
+
+    def fsdp(log_dir, *more, preexec_fn=None):
+        return run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, *more,
+                            preexec_fn=preexec_fn)
+    assert fsdp(tmp_path / "full").returncode == 0
+    full = read_log(tmp_path / "full")
+    assert fsdp(tmp_path / "killed", "--async_checkpoint", "--fault", "sigkill@5").returncode != 0
+    left = set(listdir(tmp_path / "killed"))
+    assert {"ckpt_000002", "log.jsonl"} <= left <= {"ckpt_000002", "ckpt_000004", "ckpt_000004.partial", "log.jsonl"}
+    result = fsdp(tmp_path / "killed", "--async_checkpoint")
+    assert result.returncode == 0 and "resuming from" in result.stdout, result.stderr[-3000:]
+    assert_same_run(full, read_log(tmp_path / "killed"))
+    assert sorted(listdir(tmp_path / "killed")) == ["ckpt_000002", "ckpt_000004", "ckpt_000006", "log.jsonl"]
+    for name in ("ckpt_000004", "ckpt_000006"):
+        shutil.rmtree(tmp_path / "full" / name)
+    shard_size = max(os.path.getsize(path) for path in glob.glob(str(tmp_path / "full" / "ckpt_000002" / "*.distcp")))
+    result = fsdp(tmp_path / "full", "--resume", "auto", preexec_fn=file_size_limit(shard_size // 2))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"warning: could not write checkpoint {tmp_path / 'full' / 'ckpt_000004'}: rank " in result.stderr
+    assert "OSError: [Errno 27] File too large" in result.stderr
+    assert sorted(listdir(tmp_path / "full")) == ["ckpt_000002", "log.jsonl"]  # no .partial directory left
+    assert_same_run(full, read_log(tmp_path / "full"))
 
 
 def test_plan_counts_one_buffer_per_muon_parameter(capsys):
