@@ -141,7 +141,7 @@ def llmc_make_command(cudnn_include=None):
     if cudnn_include is not None:
         lib = cudnn_library_dir()
         command += [f"CUDNN_FRONTEND_PATH={cudnn_include}",
-                    f"NVCC_LDLIBS=-lnvrtc -lcuda" + (f" -L{lib} -Xlinker -rpath={lib}" if lib else "")]
+                    "NVCC_LDLIBS=-lnvrtc -lcuda" + (f" -L{lib} -Xlinker -rpath={lib}" if lib else "")]
     return command
 
 
