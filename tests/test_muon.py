@@ -17,6 +17,7 @@ import train_gpt2
 from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
                       read_log, run_torchrun, train, train_records)
 from data import ShardLoader, list_shards
+from faults import Faults
 from model import GPT, GPTConfig
 
 STEPS = ["--total_batch_size", "256", "-B", "8"]
@@ -148,12 +149,12 @@ def test_the_default_adamw_path_is_plain_adamw_unchanged():
 
 def test_a_non_finite_step_leaves_both_optimizers_untouched_also_under_fp16_loss_scaling():
     x, y = batch()
-    poison = lambda loss: loss * float("nan")  # noqa: E731
     for scaler in (torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu", init_scale=1024.0)):
         model = tiny_model()
         before = [p.detach().clone() for p in model.parameters()]
         t = trainable(model, "muon", scaler=scaler)
-        assert train_gpt2.train_step(t, OneBatch(x, y), 3e-3, poison=poison).skipped  # the trainer's own skip
+        Faults([("nan", 0, None)], 0, model).before_step(0)  # --fault nan@0: the loss made NaN
+        assert train_gpt2.train_step(t, OneBatch(x, y), 3e-3).skipped  # the trainer's own skip
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert not t.optimizer.muon.state and not t.optimizer.adamw.state
     # Under fp16 loss scaling an overflow in a gradient is the scaler's to skip: one in a matrix
