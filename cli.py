@@ -48,11 +48,12 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescr
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (a usage error exits 2, argparse's code; a run error 1), and
-    a --help that shows each flag's default and the description as written."""
+    """argparse with one-line errors (a usage error exits 2, argparse's code; a run error 1), no
+    abbreviated flags (a typo such as --n_lay must not pass for --n_layer), and a --help that
+    shows each flag's default and the description as written."""
 
     def __init__(self, *args, formatter_class=HelpWithDefaults, **kwargs):
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+        super().__init__(*args, formatter_class=formatter_class, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

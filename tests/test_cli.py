@@ -66,10 +66,11 @@ class Captured(Exception):
     pass
 
 
-@pytest.mark.parametrize("script", ["train_gpt2", "fineweb", "hellaswag", "sample", "export_hf", "plot_log", "bench",
-                                    "checkpoint"])
-def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch, capsys):
-    """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
+SCRIPTS = ["train_gpt2", "fineweb", "hellaswag", "sample", "export_hf", "plot_log", "bench", "checkpoint"]
+
+
+def script_parser(script, monkeypatch):
+    """The parser that script's main() builds, caught as it parses: every script's is a cli.Parser."""
     import importlib
 
     import cli
@@ -82,7 +83,15 @@ def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, mon
     main = getattr(importlib.import_module(script), "main")
     with pytest.raises(Captured):
         main(["--help"])
-    parser = parsers[0]
+    monkeypatch.undo()
+    return parsers[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch):
+    """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
+    import cli
+    parser = script_parser(script, monkeypatch)
     assert isinstance(parser.formatter_class(prog="x"), cli.HelpWithDefaults)
     missing = [action.option_strings or action.dest for action in parser._actions if not action.help]
     assert not missing, missing
@@ -91,3 +100,20 @@ def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, mon
         if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.help:
             shown = formatter._get_help_string(action)
             assert "%(default)s" in shown or "(default:" in shown, action.dest
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_script_takes_an_abbreviated_flag(script, monkeypatch):
+    parser = script_parser(script, monkeypatch)
+    positionals = ["x"] * sum(1 for action in parser._actions if not action.option_strings)
+    for action in parser._actions:
+        flag = max(action.option_strings, key=len, default="")
+        abbreviation = flag[:-1]
+        if len(flag) > 3 and flag != "--help" and abbreviation not in parser._option_string_actions:
+            _, unknown = parser.parse_known_args(positionals + [abbreviation] + ["1"] * (action.nargs != 0))
+            assert abbreviation in unknown, flag
+
+
+def test_the_trainer_refuses_an_abbreviated_flag_in_one_line(capsys):
+    message = exit_message(capsys, train_gpt2.main, "--n_lay", "6")
+    assert message.endswith("error: unrecognized arguments: --n_lay 6 (see --help)"), message
