@@ -546,9 +546,11 @@ def build_model(args, device, log):
 
 
 def ensure_demo_shards(args, rank, log):
-    """The demo trains on Tiny Shakespeare, sharded with fineweb.py's code on first use (and
-    completed, should that first sharding have been interrupted)."""
-    if args.preset != "demo":
+    """The demo trains on Tiny Shakespeare, sharded with fineweb.py's code into the preset's own
+    data_dir on first use (and completed, should that first sharding have been interrupted). Any
+    other --data_dir is the user's: a missing one is build_loaders' error, not a new folder."""
+    own = os.path.join(HERE, PRESETS["demo"]["data_dir"])
+    if args.preset != "demo" or os.path.realpath(args.data_dir) != os.path.realpath(own):
         return
     if rank == 0:
         import fineweb

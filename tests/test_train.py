@@ -51,21 +51,36 @@ def test_defaults_are_the_gpt2_124m_recipe():
     assert demo.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
 
 
-def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def demo_dir(tmp_path, monkeypatch):
+    """The demo preset's own data_dir, moved into tmp_path: the preset shards only there."""
+    data_dir = tmp_path / "shakespeare"
+    monkeypatch.setitem(train_gpt2.PRESETS["demo"], "data_dir", str(data_dir))
+    return data_dir
+
+
+def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, demo_dir, monkeypatch, capsys):
     import fineweb
 
     def disk_full(path, tokens):
         raise OSError(f"{path}: cannot write the shard (No space left on device)")
     monkeypatch.setattr(fineweb, "write_shard", disk_full)
     with pytest.raises(SystemExit) as exit_info:
-        train_gpt2.main(["--preset", "demo", "--data_dir", str(tmp_path / "data"), "--log_dir", str(tmp_path / "log")])
+        train_gpt2.main(["--preset", "demo", "--data_dir", str(demo_dir), "--log_dir", str(tmp_path / "log")])
     assert exit_info.value.code == 1
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'data' / 'shakespeare_val_000000.npy'}: "
+    assert capsys.readouterr().err == (f"error: {demo_dir / 'shakespeare_val_000000.npy'}: "
                                        f"cannot write the shard (No space left on device)\n")
 
 
-def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, capsys):
-    data_dir = tmp_path / "shakespeare"
+def test_demo_shards_only_its_own_data_dir(tmp_path, demo_dir, capsys):
+    mistyped = tmp_path / "shakspeare"
+    message = error_of(capsys, "--preset", "demo", "--data_dir", mistyped, "--log_dir", tmp_path / "log")
+    assert message.startswith(f"error: no *_train_*.npy shards in {str(mistyped)!r}")
+    assert not mistyped.exists() and not demo_dir.exists()
+
+
+def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, capsys):
+    data_dir = demo_dir
     train_gpt2.main(["--preset", "demo", "--data_dir", str(data_dir), "--log_dir", str(tmp_path / "log"),
                      "--max_steps", "3", "--eval_interval", "3", "--sample_interval", "3", "--val_steps", "2",
                      "--hellaswag_path", str(tmp_path / "absent.jsonl")])
