@@ -612,10 +612,11 @@ def load_hellaswag(args, local_rank, config, log):
 
 def read_hellaswag(args, log):
     if args.hellaswag_path is not None and not os.path.exists(args.hellaswag_path):
-        log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag (python hellaswag.py downloads it)")
+        log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag "
+            f"(`python hellaswag.py --download_only` fetches it to {hellaswag.cached_path('val')})")
         return None
     try:
-        examples = hellaswag.load_examples(args.hellaswag_path)
+        examples = hellaswag.load_examples(args.hellaswag_path, local_flag="--hellaswag_path")
     except hellaswag.HellaSwagError as e:  # offline, or a damaged file: training goes on without it
         log(f"note: skipping HellaSwag: {e}")
         return None

@@ -137,6 +137,22 @@ def test_hellaswag_is_skipped_with_a_note_for_a_model_that_cannot_read_it(shards
     assert not any("hellaswag_acc_norm" in r for r in records)
 
 
+def test_hellaswag_that_is_missing_or_cannot_be_downloaded_names_the_trainers_flags(tmp_path, monkeypatch):
+    import argparse
+
+    import hellaswag
+    notes = []
+    args = argparse.Namespace(hellaswag_path=str(tmp_path / "absent.jsonl"), hellaswag_limit=0)
+    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    assert "skipping HellaSwag (`python hellaswag.py --download_only` fetches it to" in notes[-1]
+    monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
+    monkeypatch.setenv(hellaswag.URL_ENV, (tmp_path / "unreachable").as_uri())
+    args.hellaswag_path = None
+    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    assert "pass --hellaswag_path PATH" in notes[-1] and "--data" not in notes[-1]
+    assert os.listdir(tmp_path) == []
+
+
 def test_short_run_learns(shards, tmp_path):
     records = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "30", "--max_lr", "1e-2",
                     "--eval_interval", "15", "--val_steps", "4")
