@@ -23,11 +23,10 @@ import urllib.request
 import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser, UnreadableFile, gpt2_vocab_problem, read_lines
+from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
 
@@ -248,7 +247,7 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
     sum_loss, mean_loss = torch.zeros(len(share), N_ENDINGS), torch.zeros(len(share), N_ENDINGS)
     rows_left = [N_ENDINGS] * len(share)
     done = correct = correct_norm = 0
-    bar = tqdm(total=n, unit="ex", desc="hellaswag", disable=not progress)
+    bar = progress_meter("hellaswag", "ex", total=n, disable=not progress)
     for keys, total, mean in score_batches(model, share, device, batch_size, dtype):
         i, j = torch.tensor(keys).T
         sum_loss[i, j], mean_loss[i, j] = total, mean

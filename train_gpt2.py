@@ -23,13 +23,14 @@ from torch.nn.attention import SDPBackend
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 import distributed
 import hellaswag
 import logdir
 import memory
 import sharding
-from checkpoint import CheckpointError, Checkpointer, load_model
+from checkpoint import CheckpointError, Checkpointer, list_checkpoints, load_model
 from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
@@ -344,10 +345,12 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
 # ----------------------------------------------------------------------------- the run
 
 def train(args):
+    t_start = time.perf_counter()
     run = setup(args)
     args, t, log = run.args, run.trainable, run.log
     faults = Faults(args.fault, run.rank, t.raw_model)
     bad_steps = 0  # non-finite steps in a row
+    val_loss = None
     with distributed.StopSignal() as stop:
         step = run.start_step
         while True:
@@ -355,7 +358,7 @@ def train(args):
             if run.checkpointer.due(step, run.start_step, last_step):
                 run.checkpointer.save(step, t, run.train_loader, args)
             if args.eval_interval and (step % args.eval_interval == 0 or last_step):
-                evaluate(run, step)
+                val_loss = evaluate(run, step)
             if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
@@ -381,6 +384,10 @@ def train(args):
         dist.barrier()
     if run.log_dir_lock:
         run.log_dir_lock.close()
+    newest = list_checkpoints(args.log_dir)[-1:] if run.rank == 0 else []
+    log(f"done: step {step} of {args.max_steps}, {step * args.total_batch_size:,} tokens, "
+        f"{tqdm.format_interval(time.perf_counter() - t_start)} wall time, final val loss "
+        f"{'none' if val_loss is None else f'{val_loss:.4f}'}, last checkpoint {newest[0] if newest else 'none'}")
     return t.raw_model
 
 
@@ -403,8 +410,9 @@ def log_step(run, step, result, seconds, bad_steps):
 
 
 def evaluate(run, step):
-    """Val loss and HellaSwag, on every rank, logged by rank 0."""
+    """Val loss and HellaSwag, on every rank, logged by rank 0; returns the val loss, None without val shards."""
     tokens = step * run.args.total_batch_size
+    val_loss = None
     if run.val_loader is not None:
         val_loss = estimate_val_loss(run.trainable, run.val_loader, run.args.val_steps)
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
@@ -413,6 +421,7 @@ def evaluate(run, step):
         acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size)
         run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
         run.metrics.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
+    return val_loss
 
 
 def write_samples(run, step):
@@ -650,7 +659,7 @@ def hellaswag_accuracy(t, examples, rank, world_size):
     fsdp = sharding.is_sharded(t.raw_model)
     with sharding.root_gathered(t.raw_model):
         counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size,
-                                    equal_shares=fsdp)
+                                    progress=rank == 0, equal_shares=fsdp)
     t.raw_model.train()
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=t.device, dtype=torch.long)
     if dist.is_initialized():

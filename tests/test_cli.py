@@ -2,6 +2,8 @@
 and checked against the flags, each problem one line naming the file and the key."""
 import argparse
 import os
+import re
+import sys
 
 import pytest
 
@@ -117,3 +119,27 @@ def test_no_script_takes_an_abbreviated_flag(script, monkeypatch):
 def test_the_trainer_refuses_an_abbreviated_flag_in_one_line(capsys):
     message = exit_message(capsys, train_gpt2.main, "--n_lay", "6")
     assert message.endswith("error: unrecognized arguments: --n_lay 6 (see --help)"), message
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, capsys):
+    import io
+
+    import cli
+    from tqdm import tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert isinstance(cli.progress_meter("job", "ex", total=10), tqdm)
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)
+    meter = cli.progress_meter("job", "ex", total=10)
+    meter.update(4)
+    meter.set_postfix(loss="1.5")
+    meter.update(6)
+    meter.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"job: 4/10 ex \(40%\), [\d.,]+ ex/s, \d\d:\d\d left", lines[0]), lines
+    assert re.fullmatch(r"job: 10/10 ex \(100%\), [\d.,]+ ex/s, loss=1.5", lines[1]), lines
+    assert len(lines) == 3 and lines[2] == lines[1].replace(lines[1].split(", ")[1], lines[2].split(", ")[1])

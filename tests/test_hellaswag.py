@@ -179,6 +179,17 @@ def test_rank_shares_add_up_to_the_whole(tiny, examples):
     assert shares[1] == evaluate(tiny, [examples[1], examples[3]], "cpu")
 
 
+def test_scoring_prints_progress_lines_where_no_terminal_shows_a_bar(tiny, examples, monkeypatch, capsys):
+    import cli
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)  # a line at every batch
+    counts = evaluate(tiny, examples, "cpu", batch_size=2, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(re.match(r"hellaswag: \d/5 ex \(\d+%\), [\d.,]+ ex/s", line) for line in lines)
+    assert lines[-1].startswith("hellaswag: 5/5 ex (100%)")
+    assert lines[-1].endswith(f"acc_norm={counts['correct_norm'] / 5:.4f}")
+    assert "left" in lines[0] and "left" not in lines[-1]
+
+
 def test_labels_may_be_ints_or_digit_strings(examples):
     assert [e["label"] for e in examples] == [2, 0, 1, 3, 0]
     assert all(type(e["label"]) is int for e in examples)

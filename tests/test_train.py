@@ -2,6 +2,7 @@
 init_from, logging to wandb and TensorBoard, bad input."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -86,10 +87,14 @@ def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, c
                      "--hellaswag_path", str(tmp_path / "absent.jsonl")])
     out = capsys.readouterr().out
     assert "skipping HellaSwag" in out
+    records = read_log(tmp_path / "log")
+    val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
+    summary = (r"done: step 3 of 3, 3,072 tokens, \d\d:\d\d wall time, final val loss "
+               + f"{val_loss:.4f}, last checkpoint {re.escape(str(tmp_path / 'log' / 'ckpt_000003.pt'))}")
+    assert re.fullmatch(summary, out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
     assert [os.path.basename(p) for p in sorted(os.listdir(data_dir)) if p.endswith(".npy")][:2] == [
         "shakespeare_train_000001.npy", "shakespeare_train_000002.npy"]
     assert len([p for p in os.listdir(data_dir) if p.endswith(".npy")]) == 11  # 338,026 tokens in 32,768s
-    records = read_log(tmp_path / "log")
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
     samples = next(r["samples"] for r in records if "samples" in r)
     assert len(samples) == 4 and all(s.startswith("Hello, I'm a language model,") for s in samples)
