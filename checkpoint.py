@@ -429,9 +429,11 @@ def load_model_onto(parser, name, device="cpu"):
 
 
 def load_model(name_or_path, map_location="cpu"):
-    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory), or from
-    OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging Face GPT-2 directory. Any failure is a
-    CheckpointError of one line, so every script reports a model it cannot load the same way."""
+    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory; of a run's
+    log_dir, its newest, named on stderr), or from OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging
+    Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
+    model it cannot load the same way."""
+    name_or_path = newest_in_log_dir(name_or_path)
     # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
     if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
@@ -452,6 +454,21 @@ def load_model(name_or_path, map_location="cpu"):
         if not tensor.isfinite().all():
             raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")
     return model
+
+
+def newest_in_log_dir(path):
+    """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
+    log_dir); CheckpointError for a directory that holds neither them nor a Hugging Face model."""
+    if not os.path.isdir(path) or is_sharded_checkpoint(path):
+        return path
+    checkpoints = list_checkpoints(path)
+    if checkpoints:
+        print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
+        return checkpoints[-1]
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or ckpt_XXXXXX/ "
+                              f"sharded) nor a Hugging Face GPT-2 model (config.json) in it")
+    return path
 
 
 def model_of(path, config):

@@ -272,7 +272,8 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
 def main(argv=None):
     parser = Parser(prog="hellaswag.py", description="Score a GPT-2 model on HellaSwag (completion style).")
     parser.add_argument("-m", "--model", default="gpt2",
-                        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, or a train_gpt2.py checkpoint (.pt)")
+                        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, a train_gpt2.py "
+                             "checkpoint (.pt), or a run's log directory (its newest checkpoint)")
     parser.add_argument("--split", default="val", help="val or train (the test split has no public labels)")
     parser.add_argument("--data", default=None, help="a local HellaSwag jsonl file to score instead of a download")
     parser.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept")
