@@ -125,7 +125,9 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
         raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
     if state["config"] != config:
         diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
-        raise CheckpointError(f"{path} holds a model of another architecture: {diff}")
+        raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
+                              f"flags, or start over: --resume none (which moves the earlier run's files aside), "
+                              f"or another --log_dir")
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: its step is {step!r}, not a step number")

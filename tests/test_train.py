@@ -316,6 +316,8 @@ def test_resume_with_another_architecture_is_refused(shards, tmp_path, capsys):
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4",
                        "--total_batch_size", "256", "-B", "8", "--n_layer", "3")
     assert "another architecture" in message and "n_layer 2 (this run: 3)" in message
+    assert message.endswith("resume it with its model flags, or start over: --resume none (which moves the earlier "
+                            "run's files aside), or another --log_dir")
 
 
 def test_corrupt_shard_is_named_before_training(shards, tmp_path, capsys):
