@@ -684,9 +684,15 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
 # ----------------------------------------------------------------------------- bookkeeping
 
 def print_plan(args):
-    """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""
+    """--plan: the memory per device memory.plan estimates for this run's model and settings, on
+    the device and in the dtype that the run would take (a GPU this machine lacks: bfloat16)."""
     world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
+    device_type = devices.auto_device_type() if args.device == "auto" else args.device.split(":")[0]
+    if device_type == "cuda" and args.dtype == "auto" and not torch.cuda.is_available():
+        dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
+    else:
+        dtype = pick_dtype(args.dtype, device_type)
+    dtype_bytes = dtype.itemsize
     try:
         check_args(args, world_size)
         config = model_config(args)
@@ -695,10 +701,11 @@ def print_plan(args):
                                args.optimizer)
     except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
-          f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
-          f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, "
-          f"optimizer {args.optimizer}; per GPU:")
+    precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
+    print(f"{memory.n_params(config):,} parameters; {world_size} x {device_type} under {'FSDP' if args.fsdp else 'DDP'}, "
+          f"recompute {args.recompute} (every {args.recompute_every}), {precision}, micro-batch "
+          f"{args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, optimizer {args.optimizer}; "
+          f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
 
 
