@@ -126,7 +126,8 @@ def add_checkpoint_and_scale_flags(a):
       help="compute the loss and its gradients over chunks of positions, never a (B*T, vocab) float32 tensor: "
            "less memory (on in the presets larger than gpt2-medium)")
     a("--plan", action="store_true",
-      help="print the estimated memory per GPU of this run, then exit: no data, device or log_dir is touched")
+      help="print the estimated memory per GPU (or device) of this run, on the device and in the dtype it would "
+           "take, then exit: no data, device or log_dir is touched")
     a("--plan_world_size", type=int, default=None, help="the ranks --plan assumes (default: torchrun's, else 1)")
     a("--async_checkpoint", action="store_true",
       help="with --fsdp 1, write checkpoints in the background while training goes on")
