@@ -126,7 +126,9 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
         raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
     if state["config"] != config:
         diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
-        raise CheckpointError(f"{path} holds a model of another architecture: {diff}")
+        raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
+                              f"flags, or start over: --resume none (which moves the earlier run's files aside), "
+                              f"or another --log_dir")
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: its step is {step!r}, not a step number")
@@ -476,9 +478,11 @@ def load_model_onto(parser, name, device="cpu"):
 
 
 def load_model(name_or_path, map_location="cpu"):
-    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory), or from
-    OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging Face GPT-2 directory. Any failure is a
-    CheckpointError of one line, so every script reports a model it cannot load the same way."""
+    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory; of a run's
+    log_dir, its newest, named on stderr), or from OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging
+    Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
+    model it cannot load the same way."""
+    name_or_path = newest_in_log_dir(name_or_path)
     # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
     if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
@@ -499,6 +503,21 @@ def load_model(name_or_path, map_location="cpu"):
         if not tensor.isfinite().all():
             raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")
     return model
+
+
+def newest_in_log_dir(path):
+    """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
+    log_dir); CheckpointError for a directory that holds neither them nor a Hugging Face model."""
+    if not os.path.isdir(path) or is_sharded_checkpoint(path):
+        return path
+    checkpoints = list_checkpoints(path)
+    if checkpoints:
+        print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
+        return checkpoints[-1]
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or ckpt_XXXXXX/ "
+                              f"sharded) nor a Hugging Face GPT-2 model (config.json) in it")
+    return path
 
 
 def model_of(path, config):

@@ -62,7 +62,7 @@ def pick_device(name="auto", local_rank=None):
     each process takes its own GPU, cuda:LOCAL_RANK, and no other: DDP's device_ids and NCCL
     assume it. ValueError if the device cannot be used here."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = auto_device_type()
     if name == "cuda":
         name = f"cuda:{local_rank or 0}"
     elif local_rank is not None and name.startswith("cuda:") and name != f"cuda:{local_rank}":
@@ -72,6 +72,11 @@ def pick_device(name="auto", local_rank=None):
     except (RuntimeError, AssertionError) as e:
         raise ValueError(f"device {name} cannot be used here: {first_line(e)}") from None
     return name
+
+
+def auto_device_type():
+    """What --device auto takes: cuda, else mps, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def pick_dtype(name, device_type):

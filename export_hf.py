@@ -178,7 +178,8 @@ def export(model, out_dir, force):
 def main(argv=None):
     parser = Parser(prog="export_hf.py", description="Export a model as a Hugging Face GPT-2 directory.")
     parser.add_argument("model",
-                        help="a checkpoint (log/ckpt_XXXXXX.pt), a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
+                        help="a checkpoint (log/ckpt_XXXXXX.pt), a run's log directory (its newest checkpoint), "
+                             "a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
     parser.add_argument("out_dir", help="the directory to create")
     parser.add_argument("--force", action="store_true", help="replace out_dir if it exists and is not empty")
     args = parser.parse_args(argv)

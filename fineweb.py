@@ -29,15 +29,15 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pyarrow
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
-from cli import Parser, UnreadableFile, read_text
+from cli import Parser, UnreadableFile, progress_meter, read_text
 from data import SHARD_DTYPE, SPLITS, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}
+SAMPLE_TOKENS = {VERSIONS["10B"]: 10**10, VERSIONS["100B"]: 10**11}  # named for their size in GPT-2 tokens, roughly
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 MANIFEST = "fineweb_manifest.json"
 MAX_MANIFEST_CHARS = 1 << 26  # a manifest lists its inputs: ~150 characters each, hundreds of thousands of them
@@ -493,6 +493,11 @@ def shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, n
             "shards": manifest["shards"], "status": status, "tokens_per_s": tokens_per_s}
 
 
+def expected_tokens(run):
+    """About how many tokens a run's corpus gives, where its name says (FineWeb-Edu's samples), else None."""
+    return SAMPLE_TOKENS.get(run.get("name")) if run.get("dataset") == FINEWEB_EDU else None
+
+
 def write_shards(manifest, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
     """The sharding loop: fills a shard_size buffer from the token stream and writes each full
     one, then records in the manifest where the next shard starts: `skip` tokens into the
@@ -500,8 +505,9 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
     shard, document, skip = manifest["shards"], manifest["document"], manifest["skip"]
     buffer = np.empty(shard_size, dtype=SHARD_DTYPE)
     filled = 0
-    bar = tqdm(unit="tok", unit_scale=True, initial=shard * shard_size, postfix={"shards": shard},
-               disable=None if progress else True)  # None: shown on a terminal only
+    bar = progress_meter("fineweb", "tok", expected_tokens(manifest["run"]), shard * shard_size, scale=True,
+                         disable=not progress)
+    bar.set_postfix(shards=shard)
     for origins, tokens in tokenize_chunks(chunk_documents(open_documents(document), CHUNK_CHARS), num_proc):
         start = min(skip, len(tokens))  # when resuming: tokens that the written shards already hold
         skip -= start

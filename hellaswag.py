@@ -1,6 +1,7 @@
 """HellaSwag, scored completion style: which of four endings does the model find likeliest?
 
-    python hellaswag.py -m gpt2                      # downloads the val split to hellaswag/
+    python hellaswag.py --download_only              # fetches the val split to hellaswag/, once
+    python hellaswag.py -m gpt2                      # downloads it first if it is not there
     python hellaswag.py -m log/ckpt_019073.pt --json out.json
     python hellaswag.py -m gpt2 --data hellaswag_val.jsonl   # a local copy, no network
 
@@ -11,6 +12,7 @@ the right, where causal attention never looks, and pad positions are left out of
 
 train_gpt2.py imports load_examples and evaluate for its periodic eval.
 """
+import contextlib
 import http.client
 import json
 import os
@@ -21,11 +23,10 @@ import urllib.request
 import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from atomic import atomic_open
 from checkpoint import load_model_onto
-from cli import Parser, UnreadableFile, gpt2_vocab_problem, read_lines
+from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
 
@@ -95,37 +96,50 @@ def read_examples(path, expected=None):
     return examples
 
 
-def download(url, path):
+def download(url, path, local_flag="--data"):
     """Fetches url to path through a temporary name (one per process: DDP ranks may download
-    at once), renamed once complete: an interrupted download never takes the final name."""
+    at once), renamed once complete: an interrupted download never takes the final name, and a
+    failed one leaves no file, nor the directory it made. local_flag: the caller's flag for a
+    local copy, named in the error."""
     print(f"downloading {url} to {path}")
+    directory = os.path.dirname(path)
+    made = not os.path.isdir(directory)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         with urllib.request.urlopen(url, timeout=60) as response, atomic_open(path) as f:
             shutil.copyfileobj(response, f)
     # URLError and timeouts are OSErrors; ValueError: a URL of no known scheme
     except (OSError, ValueError, http.client.HTTPException) as e:
-        raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); "
-                             f"pass --data PATH to score a local copy") from None
+        if made:
+            with contextlib.suppress(OSError):  # only if empty: a rank beside this one may have put the file there
+                os.rmdir(directory)
+        raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); fetch it once where there is a "
+                             f"network with `python hellaswag.py --download_only`, or pass {local_flag} PATH, "
+                             f"a local copy") from None
 
 
-def load_examples(path=None, split="val", cache_dir=None):
+def load_examples(path=None, split="val", cache_dir=None, local_flag="--data"):
     """The examples of a local jsonl file (path), or of a split of the original files,
-    downloaded once to cache_dir (default hellaswag/ beside this script). A cached file
-    that fails its checks is reported and downloaded again, never scored."""
+    downloaded once to cached_path(split, cache_dir). A cached file that fails its checks is
+    reported and downloaded again, never scored. local_flag: see download."""
     if path is not None:
         return read_examples(path)
     if split not in SPLIT_SIZES:
         hint = "the test split's labels are not public; " if split == "test" else ""
         raise HellaSwagError(f"cannot score split {split!r}: {hint}choose one of {', '.join(SPLIT_SIZES)}")
-    path = os.path.join(cache_dir or CACHE_DIR, f"hellaswag_{split}.jsonl")
+    path = cached_path(split, cache_dir)
     if os.path.exists(path):
         try:
             return read_examples(path, SPLIT_SIZES[split])
         except HellaSwagError as e:
             print(f"warning: {e}: downloading it again", file=sys.stderr)
-    download(os.environ.get(URL_ENV, URL).rstrip("/") + f"/hellaswag_{split}.jsonl", path)
+    download(os.environ.get(URL_ENV, URL).rstrip("/") + f"/{os.path.basename(path)}", path, local_flag)
     return read_examples(path, SPLIT_SIZES[split])
+
+
+def cached_path(split, cache_dir=None):
+    """Where a split's download is kept: cache_dir, by default hellaswag/ beside this script."""
+    return os.path.join(cache_dir or CACHE_DIR, f"hellaswag_{split}.jsonl")
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +247,7 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
     sum_loss, mean_loss = torch.zeros(len(share), N_ENDINGS), torch.zeros(len(share), N_ENDINGS)
     rows_left = [N_ENDINGS] * len(share)
     done = correct = correct_norm = 0
-    bar = tqdm(total=n, unit="ex", desc="hellaswag", disable=not progress)
+    bar = progress_meter("hellaswag", "ex", total=n, disable=not progress)
     for keys, total, mean in score_batches(model, share, device, batch_size, dtype):
         i, j = torch.tensor(keys).T
         sum_loss[i, j], mean_loss[i, j] = total, mean
@@ -258,7 +272,8 @@ def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0
 def main(argv=None):
     parser = Parser(prog="hellaswag.py", description="Score a GPT-2 model on HellaSwag (completion style).")
     parser.add_argument("-m", "--model", default="gpt2",
-                        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, or a train_gpt2.py checkpoint (.pt)")
+                        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, a train_gpt2.py "
+                             "checkpoint (.pt), or a run's log directory (its newest checkpoint)")
     parser.add_argument("--split", default="val", help="val or train (the test split has no public labels)")
     parser.add_argument("--data", default=None, help="a local HellaSwag jsonl file to score instead of a download")
     parser.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads are kept")
@@ -268,16 +283,25 @@ def main(argv=None):
                         help="autocast dtype; auto: bfloat16 on CUDA (float16 before Ampere), else float32")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--download_only", action="store_true",
+                        help="fetch --split into --cache_dir and check it, then exit: no model is loaded, and "
+                             "every later run reads that copy offline")
     args = parser.parse_args(argv)
+    if args.download_only and args.data:
+        parser.error("--download_only fetches --split; --data is a local copy already")
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--batch_size and --limit must be at least 1")
     if args.json:
         parser.check_output("--json", args.json)  # now, not after the scoring
 
     try:
-        examples = load_examples(args.data, args.split, args.cache_dir)[: args.limit]
+        examples = load_examples(args.data, args.split, args.cache_dir)
     except HellaSwagError as e:
         parser.fail(str(e))
+    if args.download_only:
+        print(f"{cached_path(args.split, args.cache_dir)}: {len(examples):,} examples, checked")
+        return
+    examples = examples[: args.limit]
     model, device = load_model_onto(parser, args.model, args.device)
     try:
         check_model(model.config, examples)

@@ -30,7 +30,8 @@ DECODE_NAMES = {"sampling": "sampling", "greedy": "greedy", "beam": "beam",
 def make_parser():
     parser = Parser(prog="sample.py", description="Generate text from a GPT-2 model: sampling, greedy or beam search.")
     parser.add_argument("--model", default="gpt2",
-                        help="a checkpoint (log/ckpt_XXXXXX.pt), a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
+                        help="a checkpoint (log/ckpt_XXXXXX.pt), a run's log directory (its newest checkpoint), "
+                             "a Hugging Face GPT-2 directory, or gpt2 ... gpt2-xl")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="Hello, I'm a language model,",
                         help="the text to continue, or @FILE to read it from FILE; empty starts a new document")

@@ -23,14 +23,15 @@ from torch.nn.attention import SDPBackend
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 import distributed
 import hellaswag
 import logdir
 import memory
 import sharding
-from checkpoint import CheckpointError, Checkpointer, load_model
-from cli import Parser, gpt2_vocab_problem, preset_names, preset_path
+from checkpoint import CheckpointError, Checkpointer, list_checkpoints, load_model
+from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
@@ -124,7 +125,8 @@ def add_checkpoint_and_scale_flags(a):
       help="compute the loss and its gradients over chunks of positions, never a (B*T, vocab) float32 tensor: "
            "less memory (on in the presets larger than gpt2-medium)")
     a("--plan", action="store_true",
-      help="print the estimated memory per GPU of this run, then exit: no data, device or log_dir is touched")
+      help="print the estimated memory per GPU (or device) of this run, on the device and in the dtype it would "
+           "take, then exit: no data, device or log_dir is touched")
     a("--plan_world_size", type=int, default=None, help="the ranks --plan assumes (default: torchrun's, else 1)")
     a("--async_checkpoint", action="store_true",
       help="with --fsdp 1, write checkpoints in the background while training goes on")
@@ -346,10 +348,12 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
 # ----------------------------------------------------------------------------- the run
 
 def train(args):
+    t_start = time.perf_counter()
     run = setup(args)
     args, t, log = run.args, run.trainable, run.log
     faults = Faults(args.fault, run.rank, t.raw_model)
     bad_steps = 0  # non-finite steps in a row
+    val_loss = None
     with distributed.StopSignal() as stop:
         step = run.start_step
         while True:
@@ -357,7 +361,7 @@ def train(args):
             if run.checkpointer.due(step, run.start_step, last_step):
                 run.checkpointer.save(step, t, run.train_loader, args)
             if args.eval_interval and (step % args.eval_interval == 0 or last_step):
-                evaluate(run, step)
+                val_loss = evaluate(run, step)
             if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
@@ -383,6 +387,10 @@ def train(args):
         dist.barrier()
     if run.log_dir_lock:
         run.log_dir_lock.close()
+    newest = list_checkpoints(args.log_dir)[-1:] if run.rank == 0 else []
+    log(f"done: step {step} of {args.max_steps}, {step * args.total_batch_size:,} tokens, "
+        f"{tqdm.format_interval(time.perf_counter() - t_start)} wall time, final val loss "
+        f"{'none' if val_loss is None else f'{val_loss:.4f}'}, last checkpoint {newest[0] if newest else 'none'}")
     return t.raw_model
 
 
@@ -405,8 +413,9 @@ def log_step(run, step, result, seconds, bad_steps):
 
 
 def evaluate(run, step):
-    """Val loss and HellaSwag, on every rank, logged by rank 0."""
+    """Val loss and HellaSwag, on every rank, logged by rank 0; returns the val loss, None without val shards."""
     tokens = step * run.args.total_batch_size
+    val_loss = None
     if run.val_loader is not None:
         val_loss = estimate_val_loss(run.trainable, run.val_loader, run.args.val_steps)
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
@@ -415,6 +424,7 @@ def evaluate(run, step):
         acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size)
         run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
         run.metrics.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
+    return val_loss
 
 
 def write_samples(run, step):
@@ -548,9 +558,13 @@ def build_model(args, device, log):
 
 
 def ensure_demo_shards(args, rank, log):
-    """The demo trains on Tiny Shakespeare, sharded with fineweb.py's code on first use (and
-    completed, should that first sharding have been interrupted)."""
+    """The demo trains on Tiny Shakespeare, sharded with fineweb.py's code into the preset's own
+    data_dir on first use (and completed, should that first sharding have been interrupted). Any
+    other --data_dir is the user's: a missing one is build_loaders' error, not a new folder."""
     if args.preset != "demo":
+        return
+    own = os.path.join(HERE, read_config(preset_path("demo"))["data_dir"])
+    if os.path.realpath(args.data_dir) != os.path.realpath(own):
         return
     if rank == 0:
         import fineweb
@@ -612,10 +626,11 @@ def load_hellaswag(args, local_rank, config, log):
 
 def read_hellaswag(args, log):
     if args.hellaswag_path is not None and not os.path.exists(args.hellaswag_path):
-        log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag (python hellaswag.py downloads it)")
+        log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag "
+            f"(`python hellaswag.py --download_only` fetches it to {hellaswag.cached_path('val')})")
         return None
     try:
-        examples = hellaswag.load_examples(args.hellaswag_path)
+        examples = hellaswag.load_examples(args.hellaswag_path, local_flag="--hellaswag_path")
     except hellaswag.HellaSwagError as e:  # offline, or a damaged file: training goes on without it
         log(f"note: skipping HellaSwag: {e}")
         return None
@@ -649,7 +664,7 @@ def hellaswag_accuracy(t, examples, rank, world_size):
     fsdp = sharding.is_sharded(t.raw_model)
     with sharding.root_gathered(t.raw_model):
         counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size,
-                                    equal_shares=fsdp)
+                                    progress=rank == 0, equal_shares=fsdp)
     t.raw_model.train()
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=t.device, dtype=torch.long)
     if dist.is_initialized():
@@ -674,9 +689,15 @@ def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
 # ----------------------------------------------------------------------------- bookkeeping
 
 def print_plan(args):
-    """--plan: the memory per GPU memory.plan estimates for this run's model and settings."""
+    """--plan: the memory per device memory.plan estimates for this run's model and settings, on
+    the device and in the dtype that the run would take (a GPU this machine lacks: bfloat16)."""
     world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    dtype_bytes = 4 if args.dtype == "float32" else 2  # auto: bfloat16 on a GPU, which is what --plan is for
+    device_type = devices.auto_device_type() if args.device == "auto" else args.device.split(":")[0]
+    if device_type == "cuda" and args.dtype == "auto" and not torch.cuda.is_available():
+        dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
+    else:
+        dtype = pick_dtype(args.dtype, device_type)
+    dtype_bytes = dtype.itemsize
     try:
         check_args(args, world_size)
         config = model_config(args)
@@ -685,10 +706,11 @@ def print_plan(args):
                                args.optimizer)
     except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"{memory.n_params(config):,} parameters; {world_size} GPU(s) under {'FSDP' if args.fsdp else 'DDP'}, "
-          f"recompute {args.recompute} (every {args.recompute_every}), {'float32' if dtype_bytes == 4 else '16-bit'} "
-          f"autocast, micro-batch {args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, "
-          f"optimizer {args.optimizer}; per GPU:")
+    precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
+    print(f"{memory.n_params(config):,} parameters; {world_size} x {device_type} under {'FSDP' if args.fsdp else 'DDP'}, "
+          f"recompute {args.recompute} (every {args.recompute_every}), {precision}, micro-batch "
+          f"{args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, optimizer {args.optimizer}; "
+          f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
 
 

@@ -2,9 +2,11 @@
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +16,22 @@ sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test that reaches for the hub fails fast
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(2)
+
+# The temporary directory of the tests, their subprocesses and the libraries they call (pytest's
+# tmp_path, torchrun's, tiktoken's and torch's caches): one, removed once every test has passed.
+# After a failure it stays for a look; pytest prints where.
+TEST_TMP = tempfile.mkdtemp(prefix="gpt2-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = TEST_TMP
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        shutil.rmtree(TEST_TMP, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if exitstatus != 0:
+        terminalreporter.write_line(f"the tests' temporary files are kept in {TEST_TMP}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,6 +2,8 @@
 and checked against the flags, each problem one line naming the file and the key."""
 import argparse
 import os
+import re
+import sys
 
 import pytest
 
@@ -75,10 +77,11 @@ class Captured(Exception):
     pass
 
 
-@pytest.mark.parametrize("script", ["train_gpt2", "fineweb", "hellaswag", "sample", "export_hf", "plot_log", "bench",
-                                    "checkpoint"])
-def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch, capsys):
-    """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
+SCRIPTS = ["train_gpt2", "fineweb", "hellaswag", "sample", "export_hf", "plot_log", "bench", "checkpoint"]
+
+
+def script_parser(script, monkeypatch):
+    """The parser that script's main() builds, caught as it parses: every script's is a cli.Parser."""
     import importlib
 
     import cli
@@ -91,7 +94,15 @@ def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, mon
     main = getattr(importlib.import_module(script), "main")
     with pytest.raises(Captured):
         main(["--help"])
-    parser = parsers[0]
+    monkeypatch.undo()
+    return parsers[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch):
+    """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
+    import cli
+    parser = script_parser(script, monkeypatch)
     assert isinstance(parser.formatter_class(prog="x"), cli.HelpWithDefaults)
     missing = [action.option_strings or action.dest for action in parser._actions if not action.help]
     assert not missing, missing
@@ -143,3 +154,44 @@ def test_only_the_preset_asked_for_is_read(tmp_path):
         f"presets.py: error: {configs / 'broken.toml'}: not TOML")
     assert one_line_error(run_bounded(script, "--preset", "fifo")).startswith(
         f"presets.py: error: {configs / 'fifo.toml'}: a FIFO, not a regular file")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_script_takes_an_abbreviated_flag(script, monkeypatch):
+    parser = script_parser(script, monkeypatch)
+    positionals = ["x"] * sum(1 for action in parser._actions if not action.option_strings)
+    for action in parser._actions:
+        flag = max(action.option_strings, key=len, default="")
+        abbreviation = flag[:-1]
+        if len(flag) > 3 and flag != "--help" and abbreviation not in parser._option_string_actions:
+            _, unknown = parser.parse_known_args(positionals + [abbreviation] + ["1"] * (action.nargs != 0))
+            assert abbreviation in unknown, flag
+
+
+def test_the_trainer_refuses_an_abbreviated_flag_in_one_line(capsys):
+    message = exit_message(capsys, train_gpt2.main, "--n_lay", "6")
+    assert message.endswith("error: unrecognized arguments: --n_lay 6 (see --help)"), message
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, capsys):
+    import io
+
+    import cli
+    from tqdm import tqdm
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert isinstance(cli.progress_meter("job", "ex", total=10), tqdm)
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)
+    meter = cli.progress_meter("job", "ex", total=10)
+    meter.update(4)
+    meter.set_postfix(loss="1.5")
+    meter.update(6)
+    meter.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"job: 4/10 ex \(40%\), [\d.,]+ ex/s, \d\d:\d\d left", lines[0]), lines
+    assert re.fullmatch(r"job: 10/10 ex \(100%\), [\d.,]+ ex/s, loss=1.5", lines[1]), lines
+    assert len(lines) == 3 and lines[2] == lines[1].replace(lines[1].split(", ")[1], lines[2].split(", ")[1])

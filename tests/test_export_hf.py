@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 
 import export_hf
 from checkpoint import load_model
-from conftest import exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
+from conftest import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT
 from tokenizer import EOT, N_VOCAB, get_encoding
 
@@ -42,7 +42,12 @@ def padded(tmp_path_factory):
 
 def test_export_gives_our_logits_with_the_vocabulary_unpadded(padded):
     model, _, out = padded
-    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json"} <= set(os.listdir(out))
+    written = sorted(os.listdir(out))
+    assert written == ["config.json", "generation_config.json", "merges.txt", "model.safetensors", "tokenizer.json",
+                       "tokenizer_config.json", "vocab.json"]
+    with open(os.path.join(REPO, "docs", "export.md"), encoding="utf-8") as f:
+        documented = f.read().split("\n\n")[2]  # the paragraph under the command
+    assert "seven files" in documented and all(f"`{name}`" in documented for name in written)
     assert sorted(os.listdir(os.path.dirname(out))) == ["ckpt_000010.pt", "hf"]  # no temporary left over
     assert os.stat(out).st_mode & 0o777 == 0o755
     assert all(os.stat(os.path.join(out, f)).st_mode & 0o777 == 0o644 for f in os.listdir(out))

@@ -154,6 +154,21 @@ def test_runs_where_torch_cannot_be_imported(tmp_path):
     assert run_cli("--help", env={"PYTHONPATH": str(site)}).returncode == 0
 
 
+def test_progress_lines_where_no_terminal_shows_a_bar(tmp_path, monkeypatch, capsys):
+    import cli
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)  # a line at every chunk of tokens
+    corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
+    assert fineweb.main(["--input", corpus, "--shard_size", "50", "--num_proc", "1", "--prefix", "t",
+                         "--output_dir", str(tmp_path / "out")]) == 0
+    shards = len([name for name in os.listdir(tmp_path / "out") if name.endswith(".npy")])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(re.match(r"fineweb: [\d.]+k? tok, [\d.]+\w? tok/s, shards=\d+$", line) for line in lines), lines
+    assert lines[-1].endswith(f"shards={shards}")
+    # FineWeb-Edu's samples are named for their size: there, the lines say how long is left.
+    assert fineweb.expected_tokens({"dataset": fineweb.FINEWEB_EDU, "name": "sample-10BT"}) == 10**10
+    assert fineweb.expected_tokens({"inputs": [corpus]}) is None
+
+
 def test_demo_corpus(tmp_path):
     summary = fineweb.shard_local_files(SHAKESPEARE, str(tmp_path / "shakespeare"), "shakespeare", 32768)
     assert (summary["documents"], summary["tokens"], summary["shards"]) == (1, 338_026, 11)

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import urllib.error
 
 import pytest
 import torch
@@ -178,6 +179,17 @@ def test_rank_shares_add_up_to_the_whole(tiny, examples):
     assert shares[1] == evaluate(tiny, [examples[1], examples[3]], "cpu")
 
 
+def test_scoring_prints_progress_lines_where_no_terminal_shows_a_bar(tiny, examples, monkeypatch, capsys):
+    import cli
+    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)  # a line at every batch
+    counts = evaluate(tiny, examples, "cpu", batch_size=2, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(re.match(r"hellaswag: \d/5 ex \(\d+%\), [\d.,]+ ex/s", line) for line in lines)
+    assert lines[-1].startswith("hellaswag: 5/5 ex (100%)")
+    assert lines[-1].endswith(f"acc_norm={counts['correct_norm'] / 5:.4f}")
+    assert "left" in lines[0] and "left" not in lines[-1]
+
+
 def test_labels_may_be_ints_or_digit_strings(examples):
     assert [e["label"] for e in examples] == [2, 0, 1, 3, 0]
     assert all(type(e["label"]) is int for e in examples)
@@ -233,6 +245,30 @@ def test_download_replaces_a_corrupt_cache_and_checks_the_count(tmp_path, mirror
         load_examples(cache_dir=str(cache))
     with pytest.raises(HellaSwagError, match="test split's labels are not public"):
         load_examples(split="test", cache_dir=str(cache))
+
+
+def test_download_only_fetches_the_split_once_and_later_runs_need_no_network(tiny, tmp_path, mirror, capsys):
+    write_jsonl(mirror / "hellaswag_val.jsonl", [dict(EXAMPLES[i % 5], ind=i) for i in range(10042)])
+    cache = tmp_path / "cache"
+    hellaswag.main(["--download_only", "--cache_dir", str(cache)])  # no -m: no model is loaded, gpt2's neither
+    assert capsys.readouterr().out.splitlines()[-1] == f"{cache / 'hellaswag_val.jsonl'}: 10,042 examples, checked"
+    (mirror / "hellaswag_val.jsonl").unlink()  # offline from here on
+    ckpt = save_train_checkpoint(tiny, tmp_path / "ckpt.pt")
+    hellaswag.main(["-m", ckpt, "--cache_dir", str(cache), "--limit", "3", "--device", "cpu"])
+    assert "3 examples, acc" in capsys.readouterr().out
+    message = exit_message(capsys, hellaswag.main, "--download_only", "--data", tmp_path / "x.jsonl")
+    assert message == "hellaswag.py: error: --download_only fetches --split; --data is a local copy already (see --help)"
+
+
+def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch):
+    def offline(url, timeout):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    with pytest.raises(HellaSwagError, match="--download_only`, or pass --data PATH"):
+        load_examples(cache_dir=str(tmp_path / "hellaswag"))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(HellaSwagError, match="pass --hellaswag_path PATH"):
+        load_examples(cache_dir=str(tmp_path / "hellaswag"), local_flag="--hellaswag_path")
 
 
 def save_train_checkpoint(model, path, vocab_size=N_VOCAB):
@@ -317,7 +353,7 @@ def test_cli_without_network_or_data_fails_in_one_line(tmp_path):
     assert proc.returncode != 0
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("hellaswag.py: error: could not download") and "--data" in line
-    assert not os.path.exists(tmp_path / "empty" / "hellaswag_val.jsonl")
+    assert not os.path.exists(tmp_path / "empty")
 
 
 def test_an_ending_fits_with_one_context_token_and_no_fewer():

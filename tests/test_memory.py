@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import devices
 import memory
 import train_gpt2
 from cli import preset_names
@@ -103,12 +104,28 @@ def test_memory_reads_each_preset_as_the_trainer_does():
 def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
     log_dir, data_dir = tmp_path / "log", tmp_path / "no_data"
     train_gpt2.main(["--preset", "gpt2-xl", "--plan", "--plan_world_size", "8", "--fsdp", "1", "--recompute", "full",
-                     "--log_dir", str(log_dir), "--data_dir", str(data_dir)])
+                     "--log_dir", str(log_dir), "--data_dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     config, _ = memory.preset_model("gpt2-xl")
     expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
-    assert "8 GPU(s) under FSDP" in out and f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
+    assert "8 x cuda under FSDP" in out and "bfloat16 autocast" in out
+    assert f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
+
+
+def test_plan_is_of_the_device_and_dtype_the_run_would_take(capsys):
+    config, _ = memory.preset_model("demo")
+    float32 = memory.plan(config, 8, 128, dtype_bytes=4)
+    runs = [["--device", "cpu"]] + ([[]] if devices.auto_device_type() == "cpu" else [])  # --device auto on a CPU
+    for flags in runs:
+        train_gpt2.main(["--preset", "demo", "--plan", *flags])
+        out = capsys.readouterr().out
+        assert "; 1 x cpu under DDP" in out and "float32, no autocast" in out and "per device:" in out, out
+        assert f"{float32.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
+    # A GPU this machine may lack: bfloat16, as an Ampere or later takes it.
+    train_gpt2.main(["--preset", "demo", "--plan", "--device", "cuda"])
+    out = capsys.readouterr().out
+    assert "1 x cuda" in out and ("bfloat16 autocast" in out or torch.cuda.is_available()) and "per GPU:" in out
 
 
 PAST_A_FLOAT = "error: a GPT of these sizes needs more than 1.8e+308 bytes: too many to plan"

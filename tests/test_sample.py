@@ -55,6 +55,25 @@ def test_seeded_samples_repeat_and_read_the_prompt_from_a_file(padded, tmp_path,
     assert from_file.stdout == capsys.readouterr().out == expected
 
 
+def test_a_runs_log_dir_samples_its_newest_checkpoint_and_says_which(padded, tmp_path, capsys):
+    model, ckpt = padded
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    save_as_checkpoint(make_tiny_gpt(seed=1), log_dir / "ckpt_000005.pt")  # an older one, another model
+    (log_dir / "ckpt_000010.pt").write_bytes(open(ckpt, "rb").read())
+    flags = ["--decode", "greedy", "--num_return_sequences", "1", "--max_new_tokens", "8", "--device", "cpu"]
+    sample.main(["--model", ckpt, *flags])
+    expected = capsys.readouterr().out
+    sample.main(["--model", str(log_dir), *flags])
+    out, err = capsys.readouterr()
+    assert out == expected
+    assert err.splitlines()[0] == f"{log_dir}: loading its newest checkpoint, {log_dir / 'ckpt_000010.pt'}"
+    (tmp_path / "empty").mkdir()
+    assert exit_message(capsys, sample.main, "--model", tmp_path / "empty", *flags) == (
+        f"sample.py: error: {tmp_path / 'empty'}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or "
+        f"ckpt_XXXXXX/ sharded) nor a Hugging Face GPT-2 model (config.json) in it")
+
+
 def test_a_prompt_file_is_read_as_is(tmp_path):
     (tmp_path / "prompt.txt").write_bytes(b"Dear Sir,\r\n\r\nold Mac line\rend\n")
     assert sample.read_prompt(f"@{tmp_path / 'prompt.txt'}") == "Dear Sir,\r\n\r\nold Mac line\rend\n"

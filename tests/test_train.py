@@ -2,6 +2,7 @@
 init_from, logging to wandb and TensorBoard, bad input."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -51,30 +52,49 @@ def test_defaults_are_the_gpt2_124m_recipe():
     assert demo.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
 
 
-def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def demo_dir(tmp_path, monkeypatch):
+    """The demo preset's own data_dir, moved into tmp_path: the preset shards only there."""
+    data_dir = tmp_path / "shakespeare"
+    monkeypatch.setitem(train_gpt2.PRESETS["demo"], "data_dir", str(data_dir))
+    return data_dir
+
+
+def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, demo_dir, monkeypatch, capsys):
     import fineweb
 
     def disk_full(path, tokens):
         raise OSError(f"{path}: cannot write the shard (No space left on device)")
     monkeypatch.setattr(fineweb, "write_shard", disk_full)
     with pytest.raises(SystemExit) as exit_info:
-        train_gpt2.main(["--preset", "demo", "--data_dir", str(tmp_path / "data"), "--log_dir", str(tmp_path / "log")])
+        train_gpt2.main(["--preset", "demo", "--data_dir", str(demo_dir), "--log_dir", str(tmp_path / "log")])
     assert exit_info.value.code == 1
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'data' / 'shakespeare_val_000000.npy'}: "
+    assert capsys.readouterr().err == (f"error: {demo_dir / 'shakespeare_val_000000.npy'}: "
                                        f"cannot write the shard (No space left on device)\n")
 
 
-def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, capsys):
-    data_dir = tmp_path / "shakespeare"
+def test_demo_shards_only_its_own_data_dir(tmp_path, demo_dir, capsys):
+    mistyped = tmp_path / "shakspeare"
+    message = error_of(capsys, "--preset", "demo", "--data_dir", mistyped, "--log_dir", tmp_path / "log")
+    assert message.startswith(f"error: no *_train_*.npy shards in {str(mistyped)!r}")
+    assert not mistyped.exists() and not demo_dir.exists()
+
+
+def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, capsys):
+    data_dir = demo_dir
     train_gpt2.main(["--preset", "demo", "--data_dir", str(data_dir), "--log_dir", str(tmp_path / "log"),
                      "--max_steps", "3", "--eval_interval", "3", "--sample_interval", "3", "--val_steps", "2",
                      "--hellaswag_path", str(tmp_path / "absent.jsonl")])
     out = capsys.readouterr().out
     assert "skipping HellaSwag" in out
+    records = read_log(tmp_path / "log")
+    val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
+    summary = (r"done: step 3 of 3, 3,072 tokens, \d\d:\d\d wall time, final val loss "
+               + f"{val_loss:.4f}, last checkpoint {re.escape(str(tmp_path / 'log' / 'ckpt_000003.pt'))}")
+    assert re.fullmatch(summary, out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
     assert [os.path.basename(p) for p in sorted(os.listdir(data_dir)) if p.endswith(".npy")][:2] == [
         "shakespeare_train_000001.npy", "shakespeare_train_000002.npy"]
     assert len([p for p in os.listdir(data_dir) if p.endswith(".npy")]) == 11  # 338,026 tokens in 32,768s
-    records = read_log(tmp_path / "log")
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
     samples = next(r["samples"] for r in records if "samples" in r)
     assert len(samples) == 4 and all(s.startswith("Hello, I'm a language model,") for s in samples)
@@ -120,6 +140,22 @@ def test_hellaswag_is_skipped_with_a_note_for_a_model_that_cannot_read_it(shards
     assert "note: skipping HellaSwag: a vocabulary of 256 cannot hold GPT-2's 50257 token ids" in capsys.readouterr().out
     assert [r["step"] for r in records if "val_loss" in r] == [0, 1]
     assert not any("hellaswag_acc_norm" in r for r in records)
+
+
+def test_hellaswag_that_is_missing_or_cannot_be_downloaded_names_the_trainers_flags(tmp_path, monkeypatch):
+    import argparse
+
+    import hellaswag
+    notes = []
+    args = argparse.Namespace(hellaswag_path=str(tmp_path / "absent.jsonl"), hellaswag_limit=0)
+    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    assert "skipping HellaSwag (`python hellaswag.py --download_only` fetches it to" in notes[-1]
+    monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
+    monkeypatch.setenv(hellaswag.URL_ENV, (tmp_path / "unreachable").as_uri())
+    args.hellaswag_path = None
+    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    assert "pass --hellaswag_path PATH" in notes[-1] and "--data" not in notes[-1]
+    assert os.listdir(tmp_path) == []
 
 
 def test_short_run_learns(shards, tmp_path):
@@ -280,6 +316,8 @@ def test_resume_with_another_architecture_is_refused(shards, tmp_path, capsys):
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, "--max_steps", "4",
                        "--total_batch_size", "256", "-B", "8", "--n_layer", "3")
     assert "another architecture" in message and "n_layer 2 (this run: 3)" in message
+    assert message.endswith("resume it with its model flags, or start over: --resume none (which moves the earlier "
+                            "run's files aside), or another --log_dir")
 
 
 def test_corrupt_shard_is_named_before_training(shards, tmp_path, capsys):
