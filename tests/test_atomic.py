@@ -18,7 +18,7 @@ import fineweb
 import train_gpt2
 import atomic
 from atomic import LOCK_NAME, claim_directory
-from conftest import (DOCS, REPO, TINY, error_of, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
+from helpers import (DOCS, REPO, TINY, error_of, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
                       write_docs_jsonl)
 from data import Shard, ShardError, write_shard
 

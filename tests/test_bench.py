@@ -9,7 +9,7 @@ import torch
 
 import bench
 import memory
-from conftest import disk_full, exit_message, file_size_limit, run_script
+from helpers import disk_full, exit_message, file_size_limit, run_script
 from model import GPTConfig
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],

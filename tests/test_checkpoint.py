@@ -14,7 +14,7 @@ import checkpoint
 import export_hf
 import hellaswag
 import sample
-from conftest import (EXAMPLES, REPO, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
+from helpers import (EXAMPLES, REPO, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
                       one_line_error, read_metadata, run_bounded, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

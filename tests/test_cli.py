@@ -9,7 +9,7 @@ import pytest
 
 import train_gpt2
 from cli import MAX_CONFIG_BYTES, preset_names
-from conftest import REPO, error_of, exit_message, one_line_error, run_bounded
+from helpers import REPO, error_of, exit_message, one_line_error, run_bounded
 
 
 def write(path, text):

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import train_gpt2
-from conftest import write_token_shards
+from helpers import write_token_shards
 from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 

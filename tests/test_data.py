@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO
 from data import Shard, ShardError, ShardLoader, list_shards, shard_name, write_shard
 
 

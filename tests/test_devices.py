@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import devices
-from conftest import REPO
+from helpers import REPO
 
 
 def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 import checkpoint
 import distributed
-from conftest import REPO, TINY, run_torchrun
+from helpers import REPO, TINY, run_torchrun
 from distributed import RunError, agree, every_rank, on_every_rank
 
 

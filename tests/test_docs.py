@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 # A path of the repository's own: a script, module or test, a config, a doc, a results file.

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 
 import export_hf
 from checkpoint import load_model
-from conftest import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
+from helpers import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT
 from tokenizer import EOT, N_VOCAB, get_encoding
 
@@ -219,7 +219,7 @@ def damage(directory, kind):
 def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_dir, tmp_path, capsys, kind, expected):
     import hellaswag
     import sample
-    from conftest import EXAMPLES, write_jsonl
+    from helpers import EXAMPLES, write_jsonl
 
     directory = tmp_path / "damaged"
     shutil.copytree(hf_gpt2_dir[1], directory)

@@ -14,7 +14,7 @@ import checkpoint
 import devices
 import logdir
 import train_gpt2
-from conftest import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, disk_full, error_of, file_size_limit,
+from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, disk_full, error_of, file_size_limit,
                       final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
                       run_torchrun, train, train_records, write_jsonl, write_token_shards)
 from data import write_shard

@@ -15,7 +15,7 @@ import pytest
 
 import fineweb
 from bench import baseline_tokenize
-from conftest import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
+from helpers import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
 from data import Shard, shard_name
 from tokenizer import EOT, get_encoding
 

@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
 
 import export_hf
 import generate
-from conftest import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
+from helpers import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
 from generate import GenerationConfig, left_pad
 from tokenizer import EOT
 

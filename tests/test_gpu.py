@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import train_gpt2
-from conftest import TINY, read_log, run_torchrun, train_records, write_token_shards
+from helpers import TINY, read_log, run_torchrun, train_records, write_token_shards
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
 

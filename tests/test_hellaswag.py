@@ -13,7 +13,7 @@ from torch.nn import functional as F
 import hellaswag
 from checkpoint import load_model
 from cli import MAX_LINE_CHARS
-from conftest import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
+from helpers import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
                       write_jsonl)
 from hellaswag import HellaSwagError, evaluate, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig

@@ -10,7 +10,7 @@ import devices
 import memory
 import train_gpt2
 from cli import preset_names
-from conftest import REPO, exit_message, run_script
+from helpers import REPO, exit_message, run_script
 from model import GPT, GPTConfig, RECOMPUTE
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)

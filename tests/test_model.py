@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_hf_gpt2, make_tiny_gpt
+from helpers import make_hf_gpt2, make_tiny_gpt
 from generate import sample_next_token, truncate_logits
 from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding

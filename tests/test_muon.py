@@ -14,7 +14,7 @@ import checkpoint
 import memory
 import muon
 import train_gpt2
-from conftest import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
+from helpers import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
                       read_log, run_torchrun, train, train_records)
 from data import ShardLoader, list_shards
 from faults import Faults

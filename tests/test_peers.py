@@ -9,7 +9,7 @@ import pytest
 
 import bench
 import peers
-from conftest import exit_message, run_script
+from helpers import exit_message, run_script
 from data import shard_name, write_shard
 from tokenizer import get_encoding
 

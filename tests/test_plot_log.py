@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from conftest import run_script
+from helpers import run_script
 
 pytest.importorskip("matplotlib")
 import plot_log  # noqa: E402  (after the skip: it needs matplotlib)

@@ -7,7 +7,7 @@ import torch
 
 import generate
 import sample
-from conftest import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
+from helpers import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
                       save_as_checkpoint)
 from tokenizer import EOT, N_VOCAB, get_encoding
 

@@ -11,7 +11,7 @@ import torch
 
 import checkpoint
 import hellaswag
-from conftest import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
+from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
                       exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]

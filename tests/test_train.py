@@ -13,7 +13,7 @@ import checkpoint
 import distributed
 import train_gpt2
 from checkpoint import load_checkpoint
-from conftest import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
+from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
                       final_weights, listdir, one_line_error, read_log, run_cli, run_script, run_torchrun,
                       save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
 from data import ShardLoader, list_shards, write_shard
