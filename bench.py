@@ -375,10 +375,10 @@ def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, dev
     T = cfg["seq_len"]
     tokens = micro_batch_size * grad_accum_steps * T  # per optimizer step
 
-    def measure(model, t, loader):
+    def measure(model, trainable, loader):
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        seconds = time_steps(lambda: train_step(t, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
+        seconds = time_steps(lambda: train_step(trainable, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
         peak = peak_flops(device)
         return dict(tokens_per_sec=tokens / seconds, ms_per_step=1000 * seconds,
                     mfu=model.flops_per_token(T) * tokens / seconds / peak if peak else None,
@@ -387,21 +387,21 @@ def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, dev
 
 
 def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure):
-    """measure(model, t, loader) of a fresh model's Trainable and a loader of micro_batch_size: its
+    """measure(model, trainable, loader) of a fresh model's Trainable and a loader of micro_batch_size: its
     dict, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
     model = GPT(train_model_config(cfg, levers["vocab_size"])).to(device)
-    t = None
+    trainable = None
     stack = contextlib.ExitStack()
     try:
         # Inductor reads its settings when it compiles, on the first step: set for the whole run.
         stack.enter_context(torch._inductor.config.patch(levers["inductor"]))
-        t = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
+        trainable = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
                             fused_adamw=levers["fused_adamw"], attention=levers["attention"],
                             recompute=levers["recompute"], chunked_loss=levers["chunked_loss"])
-        return measure(model, t, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
+        return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}
     except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
@@ -411,7 +411,7 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
         return {"error": error}
     finally:  # the next run starts with the device's memory free, and Inductor's settings as they were
         stack.close()
-        model = t = None
+        model = trainable = None
         gc.collect()
         if device_type == "cuda":
             try:
@@ -450,16 +450,16 @@ def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, 
     device_type = device.split(":")[0]
     n_steps = profile_steps(cfg)
 
-    def measure(model, t, loader):
+    def measure(model, trainable, loader):
         for _ in range(max(1, cfg["warmup"])):
-            train_step(t, loader, 6e-4)  # it waits for the device: the profile starts on an idle one
+            train_step(trainable, loader, 6e-4)  # it waits for the device: the profile starts on an idle one
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(n_steps):
-                train_step(t, loader, 6e-4)
+                train_step(trainable, loader, 6e-4)
             seconds = time.perf_counter() - t0
         problem = export_trace(prof, trace)
         if problem:
@@ -685,8 +685,8 @@ def bench_hellaswag(args, device, record):
     dtype = pick_dtype(args.dtype, device_type)
     examples = synthetic_examples(n)
     variants = {
-        "batched": lambda chunk: hellaswag.evaluate(model, chunk, device, batch_size, dtype),
-        "unbatched": lambda chunk: hellaswag.evaluate(model, chunk, device, 1, dtype),
+        "batched": lambda chunk: hellaswag.count_correct(model, chunk, device, batch_size, dtype),
+        "unbatched": lambda chunk: hellaswag.count_correct(model, chunk, device, 1, dtype),
         "baseline": lambda chunk: score_unbatched_full_logits(model, chunk, device, dtype),
     }
     if not args.baseline:

@@ -2,7 +2,7 @@
 
 A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss scaler, the step, the
 data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's args
-(training_state). It comes in two kinds:
+(checkpoint_contents). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory whose model and optimizer
   every rank writes its own shards of (under FSDP), beside train_state.pt with the rest; its
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
 from cli import Parser, first_line, gpt2_vocab_problem
-from dcp_reader import CheckpointError, UnreadableShards, check_shards, dcp_load, read_metadata
+from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
 from devices import pick_device
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
@@ -94,14 +94,14 @@ def save_checkpoint(path, state):
     return True
 
 
-def training_state(raw_model, optimizer, scaler, step, train_loader, args):
+def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, args):
     """Everything an exact resume needs, as tensors and plain Python values."""
     return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             **train_state(raw_model, scaler, step, train_loader, args)}
 
 
 def train_state(raw_model, scaler, step, train_loader, args):
-    """All of training_state but the model's and the optimizer's tensors: what train_state.pt holds."""
+    """All of checkpoint_contents but the model's and the optimizer's tensors: what train_state.pt holds."""
     return {
         "scaler": scaler.state_dict(),
         "step": step,
@@ -114,7 +114,7 @@ def train_state(raw_model, scaler, step, train_loader, args):
 
 
 def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
-    """Puts a run back where training_state found it, from either kind of checkpoint into a model
+    """Puts a run back where checkpoint_contents found it, from either kind of checkpoint into a model
     sharded or not; returns its step."""
     sharded = is_sharded_checkpoint(path)  # its tensors are read from the directory, not from state
     missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step")
@@ -235,7 +235,7 @@ def is_sharded_checkpoint(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, TRAIN_STATE))
 
 
-def save_sharded(path, model, optimizer, state, async_save=False):
+def save_dcp(path, model, optimizer, state, async_save=False):
     """Writes a sharded checkpoint on every rank: each rank its own shards of the model and of
     the optimizer's state, in parallel, rank 0 also state (train_state's). The directory is written as
     PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
@@ -392,7 +392,7 @@ def load_checkpoint(path, map_location="cpu"):
     sharded checkpoint, only train_state.pt: its tensors are read into a model by
     restore_training or load_model."""
     if is_sharded_checkpoint(path):
-        check_shards(path, read_metadata(path).storage_data)  # what can be checked without reading the shards
+        check_storage_files(path, read_metadata(path).storage_data)  # what can be checked without reading the shards
         return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
     return _load_plain(path, map_location)
 
@@ -593,31 +593,32 @@ class Checkpointer:
         """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
         return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
 
-    def save(self, step, t, train_loader, args):
+    def save(self, step, trainable, train_loader, args):
         """Saves t (a Trainable) and the loader at step, on every rank at once: a refusal (weights
         that are not finite) then stops every rank, none left waiting at the next collective."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in t.raw_model.parameters()]
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
         finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
         if self.sharded:
-            self._save_sharded(step, t, train_loader, args)
+            self._save_dcp(step, trainable, train_loader, args)
         elif self.rank == 0:
             path = checkpoint_path(self.log_dir, step)
-            if save_checkpoint(path, training_state(t.raw_model, t.optimizer, t.scaler, step, train_loader, args)):
+            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader, args)
+            if save_checkpoint(path, state):
                 prune_checkpoints(self.log_dir, self.keep_last)
                 self.log(f"saved {path}")
 
-    def _save_sharded(self, step, t, train_loader, args):
+    def _save_dcp(self, step, trainable, train_loader, args):
         self.wait()  # one checkpoint at a time
         path = checkpoint_path(self.log_dir, step, sharded=True)
-        short = [why for why in every_rank(room_problem(self.log_dir, [t.raw_model.state_dict(), t.optimizer.state_dict()]))
-                 if why]
+        state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
+        short = [why for why in every_rank(room_problem(self.log_dir, state_dicts)) if why]
         if short:
             print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
             return
-        state = train_state(t.raw_model, t.scaler, step, train_loader, args)
+        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, args)
         try:
-            future = save_sharded(path, t.raw_model, t.optimizer, state, async_save=self.async_save)
+            future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
             print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
             return
@@ -642,7 +643,7 @@ class Checkpointer:
             prune_checkpoints(self.log_dir, self.keep_last)
         self.log(f"saved {path}")
 
-    def restore(self, resume, t, train_loader, max_steps):
+    def restore(self, resume, trainable, train_loader, max_steps):
         """Restores the checkpoint resume names ("auto", "none" or a path) into t and the loader;
         returns the step to start from. Every rank reads the checkpoint itself, so all must find
         the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
@@ -658,9 +659,9 @@ class Checkpointer:
                 return 0
             path, state = found
             try:
-                step = restore_training(state, path, t.raw_model, t.optimizer, t.scaler, train_loader)
+                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler, train_loader)
                 break
-            except UnreadableShards as e:
+            except UnreadableStorage as e:
                 if resume != "auto":
                     raise
                 self.log(f"warning: skipping {e}")

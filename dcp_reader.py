@@ -33,14 +33,14 @@ class CheckpointError(Exception):
     """A checkpoint that is missing, damaged, or not plain data."""
 
 
-class UnreadableShards(CheckpointError):
+class UnreadableStorage(CheckpointError):
     """A sharded checkpoint whose shards cannot be read into this model: found only as they are read."""
 
 
 def dcp_load(tensors, path):
     """DCP's load, reading nothing but plain data: the metadata, every entry's kind and shape and
     every shard's bytes are checked before a byte of the shards is read (PlainDataPlanner,
-    PlainDataReader), on every rank alike. Any refusal or damage is one UnreadableShards."""
+    PlainDataReader), on every rank alike. Any refusal or damage is one UnreadableStorage."""
     planner, reader = PlainDataPlanner(path), PlainDataReader(path)
     try:
         metadata = reader.read_metadata()
@@ -50,11 +50,11 @@ def dcp_load(tensors, path):
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(tensors, storage_reader=reader, planner=planner)
     except CheckpointError as e:
-        raise UnreadableShards(str(e)) from None
+        raise UnreadableStorage(str(e)) from None
     except CheckpointException as e:  # a damaged shard, on some rank: every rank hears of it
         errors = [error for error, _ in e.failures.values()]
         found = next((str(x) for x in errors if isinstance(x, CheckpointError)), None)
-        raise UnreadableShards(found or f"{path}: damaged sharded checkpoint ({first_line(errors[0])})") from None
+        raise UnreadableStorage(found or f"{path}: damaged sharded checkpoint ({first_line(errors[0])})") from None
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -152,7 +152,7 @@ class PlainDataReader(FileSystemReader):
         return self.metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        check_shards(str(self.path), metadata.storage_data)
+        check_storage_files(str(self.path), metadata.storage_data)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan, planner):
@@ -174,7 +174,7 @@ class PlainDataReader(FileSystemReader):
         return done
 
 
-def check_shards(path, storage_data):
+def check_storage_files(path, storage_data):
     """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
     within a regular file directly in path (not a link), stored as this project writes it (no
     transforms). Messages show the metadata's values only as brief text."""

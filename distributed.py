@@ -16,7 +16,7 @@ class RunError(Exception):
     """A bad argument or state that stops the run, on every rank, with one line and exit code 1."""
 
 
-def setup(device_arg):
+def init(device_arg):
     """(rank, local_rank, world_size, device): from torchrun's environment, or one process."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     try:

@@ -232,7 +232,7 @@ def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
         yield [key for key, _ in batch], total.cpu(), mean.cpu()
 
 
-def evaluate(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False,
+def count_correct(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False,
              equal_shares=False):
     """Scores this rank's share, examples[rank::world_size], and returns its LOCAL counts
     {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
@@ -309,7 +309,7 @@ def main(argv=None):
         parser.fail(f"{args.model}: {e}")
 
     dtype = pick_dtype(args.dtype, torch.device(device).type)
-    result = evaluate(model, examples, device, args.batch_size, dtype, progress=True)
+    result = count_correct(model, examples, device, args.batch_size, dtype, progress=True)
     result["acc"] = result["correct"] / result["n"]
     result["acc_norm"] = result["correct_norm"] / result["n"]
     print(f"{args.model} on {args.data or 'hellaswag ' + args.split}: {result['n']} examples, "

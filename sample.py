@@ -27,7 +27,7 @@ DECODE_NAMES = {"sampling": "sampling", "greedy": "greedy", "beam": "beam",
                 "greedy_search": "greedy", "beam_search": "beam"}  # and PaddleFleetX's names
 
 
-def make_parser():
+def build_parser():
     parser = Parser(prog="sample.py", description="Generate text from a GPT-2 model: sampling, greedy or beam search.")
     parser.add_argument("--model", default="gpt2",
                         help="a checkpoint (log/ckpt_XXXXXX.pt), a run's log directory (its newest checkpoint), "
@@ -162,7 +162,7 @@ def print_result(i, n_prompts, prompt, texts, kind):
 
 
 def main(argv=None):
-    parser = make_parser()
+    parser = build_parser()
     args = parse_args(parser, argv)
     config = args.config
     flag, value = ("--prompts", args.prompts) if args.prompts is not None else ("--prompt", args.prompt)

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from model import GPT
 
 
-def shard(model, dtype, compile_mode=None, qkv_by_columns=False):
+def apply_fsdp(model, dtype, compile_mode=None, qkv_by_columns=False):
     """Shards model in place: each Block, then the root, each weight by rows; with qkv_by_columns,
     attention's c_attn weight by columns, so that its q, k and v row blocks are views of each
     rank's shard (--optimizer muon orthogonalizes them apart). Under bf16 or fp16 the weights are

@@ -250,49 +250,50 @@ class StepResult:
     muon_lr: float = None  # Muon's, under --optimizer muon: lr times its group's lr_scale
 
 
-def train_step(t, loader, lr, stop_requested=lambda: False):
+def train_step(trainable, loader, lr, stop_requested=lambda: False):
     """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
     the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
     optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
     finished, so the caller's clock times the whole step. Returns None, the weights and optimizer
     untouched and the loader back at the step's start, if stop_requested() is true before a
     micro-step: a stop never waits for a long step (torchrun SIGKILLs 30 s after a SIGTERM)."""
-    ddp = isinstance(getattr(t.model, "_orig_mod", t.model), DDP)
+    ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
-    t.optimizer.zero_grad(set_to_none=not ddp)
-    loss_sum = torch.zeros((), device=t.device)
+    trainable.optimizer.zero_grad(set_to_none=not ddp)
+    loss_sum = torch.zeros((), device=trainable.device)
     start = loader.state_dict()
-    for micro_step in range(t.grad_accum_steps):
+    for micro_step in range(trainable.grad_accum_steps):
         if stop_requested():
             loader.load_state_dict(start)
             return None
-        x, y = (to_device(b, t.device) for b in loader.next_batch())
-        last = micro_step == t.grad_accum_steps - 1
-        with t.model.no_sync() if ddp and not last else nullcontext(), t.forward_context():
-            loss = t.model(x, y, chunked_loss=t.chunked_loss)[1]  # [1]: no logits kept into the next micro-step
-        loss = loss / t.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
+        x, y = (to_device(b, trainable.device) for b in loader.next_batch())
+        last = micro_step == trainable.grad_accum_steps - 1
+        with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
+            # [1]: no logits kept into the next micro-step
+            loss = trainable.model(x, y, chunked_loss=trainable.chunked_loss)[1]
+        loss = loss / trainable.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
-        t.scaler.scale(loss).backward()
+        trainable.scaler.scale(loss).backward()
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
     # rank's was) and norm (of gradients already all-reduced), so all decide alike.
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
-    t.scaler.unscale_(t.optimizer)
-    norm = clip_grad_norm(t.raw_model.parameters(), t.grad_clip)
+    trainable.scaler.unscale_(trainable.optimizer)
+    norm = clip_grad_norm(trainable.raw_model.parameters(), trainable.grad_clip)
     loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
     loss = loss_sum / distributed.world_size()
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
-    skipped = not (math.isfinite(loss) and (math.isfinite(norm) or t.scaler.is_enabled()))
+    skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
     muon_lr = None
     if not skipped:
-        for group in t.optimizer.param_groups:
+        for group in trainable.optimizer.param_groups:
             # AdamW's groups at lr itself; Muon's (--optimizer muon) at lr times its peak over --max_lr.
             group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
             muon_lr = group["lr"] if "lr_scale" in group else muon_lr
-        t.scaler.step(t.optimizer)
-    t.scaler.update()  # after every unscale_, or the next step's unscale_ raises
-    synchronize(t.device)
+        trainable.scaler.step(trainable.optimizer)
+    trainable.scaler.update()  # after every unscale_, or the next step's unscale_ raises
+    synchronize(trainable.device)
     return StepResult(loss, norm, lr, skipped, muon_lr)
 
 
@@ -327,7 +328,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     raw_model.set_recompute(recompute, recompute_every)
     raw_model.set_attention(ATTENTION_KERNELS[attention])
     if fsdp:
-        model = sharding.shard(raw_model, dtype, compile_mode, qkv_by_columns=optimizer == "muon")
+        model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optimizer == "muon")
         if init is not None:
             sharding.materialize(raw_model, init, device)
     else:
@@ -350,8 +351,8 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
 def train(args):
     t_start = time.perf_counter()
     run = setup(args)
-    args, t, log = run.args, run.trainable, run.log
-    faults = Faults(args.fault, run.rank, t.raw_model)
+    args, trainable, log = run.args, run.trainable, run.log
+    faults = Faults(args.fault, run.rank, trainable.raw_model)
     bad_steps = 0  # non-finite steps in a row
     val_loss = None
     with distributed.StopSignal() as stop:
@@ -359,7 +360,7 @@ def train(args):
         while True:
             last_step = step >= args.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, t, run.train_loader, args)
+                run.checkpointer.save(step, trainable, run.train_loader, args)
             if args.eval_interval and (step % args.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
             if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
@@ -369,9 +370,9 @@ def train(args):
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(t, run.train_loader, get_lr(step, args), stop.requested)
+            result = train_step(trainable, run.train_loader, get_lr(step, args), stop.requested)
             if result is None:
-                run.checkpointer.save(step, t, run.train_loader, args)
+                run.checkpointer.save(step, trainable, run.train_loader, args)
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
@@ -391,7 +392,7 @@ def train(args):
     log(f"done: step {step} of {args.max_steps}, {step * args.total_batch_size:,} tokens, "
         f"{tqdm.format_interval(time.perf_counter() - t_start)} wall time, final val loss "
         f"{'none' if val_loss is None else f'{val_loss:.4f}'}, last checkpoint {newest[0] if newest else 'none'}")
-    return t.raw_model
+    return trainable.raw_model
 
 
 def log_step(run, step, result, seconds, bad_steps):
@@ -460,7 +461,7 @@ class Run:
 
 def setup(args):
     """Processes, log_dir, data, model and optimizer, and the state to resume from, in that order."""
-    rank, local_rank, world_size, device = distributed.setup(args.device)
+    rank, local_rank, world_size, device = distributed.init(args.device)
     log = print_on_rank_0(rank)
     check_args(args, world_size)
     if args.init_from == "scratch":
@@ -478,20 +479,20 @@ def setup(args):
     train_loader, val_loader = build_loaders(args, rank, world_size, raw_model.config.vocab_size, log)
     hellaswag_examples = load_hellaswag(args, local_rank, raw_model.config, log)
     compile_mode = args.compile_mode if resolve_compile(args.compile, device.split(":")[0], log) else None
-    t = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
+    trainable = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
                         args.grad_clip, args.weight_decay, args.max_lr, compile_mode, attention=args.attention,
                         fsdp=bool(args.fsdp), init=init, recompute=args.recompute,
                         recompute_every=args.recompute_every, chunked_loss=bool(args.chunked_loss),
                         optimizer=args.optimizer, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
                         muon_weight_decay=args.muon_weight_decay)
     if args.optimizer == "muon":
-        n_muon = sum(p.numel() for group in t.optimizer.muon.param_groups for p in group["params"])
+        n_muon = sum(p.numel() for group in trainable.optimizer.muon.param_groups for p in group["params"])
         log(f"optimizer: Muon (peak lr {args.muon_lr}, momentum {args.muon_momentum}, weight decay "
             f"{args.muon_weight_decay}) on {4 * raw_model.config.n_layer} matrices ({n_muon:,} parameters), "
             f"AdamW (peak lr {args.max_lr}) on the rest")
     checkpointer = Checkpointer(args.log_dir, args.checkpoint_interval, args.keep_last, sharded=bool(args.fsdp),
                                 async_save=args.async_checkpoint, log=log)
-    start_step = checkpointer.restore(args.resume, t, train_loader, args.max_steps)
+    start_step = checkpointer.restore(args.resume, trainable, train_loader, args.max_steps)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= args.max_steps else start_step
     metrics = on_every_rank(MetricsLog, args.log_dir, keep_before, rank == 0, mirrors)
@@ -499,7 +500,7 @@ def setup(args):
         log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
         args.sample_interval = 0
     peak = peak_flops(device)
-    return Run(args, rank, world_size, device, log, t, train_loader, val_loader, hellaswag_examples, start_step,
+    return Run(args, rank, world_size, device, log, trainable, train_loader, val_loader, hellaswag_examples, start_step,
                metrics, checkpointer, raw_model.flops_per_token(args.seq_len) * args.total_batch_size,
                peak * world_size if peak else None, log_dir_lock)
 
@@ -640,33 +641,33 @@ def read_hellaswag(args, log):
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def estimate_val_loss(t, loader, steps):
+def estimate_val_loss(trainable, loader, steps):
     """Mean loss over the first `steps` val micro-batches of every rank, averaged over ranks, through
     the training step's (compiled) model."""
-    t.model.eval()
+    trainable.model.eval()
     loader.reset()
-    total = torch.zeros((), device=t.device)
+    total = torch.zeros((), device=trainable.device)
     for _ in range(steps):
-        x, y = (to_device(b, t.device) for b in loader.next_batch())
-        with t.forward_context():
-            total += t.model(x, y, chunked_loss=t.chunked_loss)[1]
+        x, y = (to_device(b, trainable.device) for b in loader.next_batch())
+        with trainable.forward_context():
+            total += trainable.model(x, y, chunked_loss=trainable.chunked_loss)[1]
     if dist.is_initialized():
         dist.all_reduce(total)
-    t.model.train()
+    trainable.model.train()
     return total.item() / (steps * distributed.world_size())
 
 
 @torch.no_grad()
-def hellaswag_accuracy(t, examples, rank, world_size):
+def hellaswag_accuracy(trainable, examples, rank, world_size):
     """(acc, acc_norm, n) with the examples split across ranks and the counts summed. Through the
     plain module: its shapes change from batch to batch, which would recompile a compiled one."""
-    t.raw_model.eval()
-    fsdp = sharding.is_sharded(t.raw_model)
-    with sharding.root_gathered(t.raw_model):
-        counts = hellaswag.evaluate(t.raw_model, examples, t.device, dtype=t.dtype, rank=rank, world_size=world_size,
-                                    progress=rank == 0, equal_shares=fsdp)
-    t.raw_model.train()
-    total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=t.device, dtype=torch.long)
+    trainable.raw_model.eval()
+    fsdp = sharding.is_sharded(trainable.raw_model)
+    with sharding.root_gathered(trainable.raw_model):
+        counts = hellaswag.count_correct(trainable.raw_model, examples, trainable.device, dtype=trainable.dtype, rank=rank,
+                                    world_size=world_size, progress=rank == 0, equal_shares=fsdp)
+    trainable.raw_model.train()
+    total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=trainable.device, dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(total)
     n, correct, correct_norm = total.tolist()
@@ -674,15 +675,15 @@ def hellaswag_accuracy(t, examples, rank, world_size):
 
 
 @torch.no_grad()
-def sample_texts(t, seed, num_samples=4, max_new_tokens=32):
+def sample_texts(trainable, seed, num_samples=4, max_new_tokens=32):
     """Samples of SAMPLE_PROMPT from the plain module (a preview: under the training autocast)."""
     enc = get_encoding()
-    t.raw_model.eval()
-    prompt = torch.tensor(enc.encode_ordinary(SAMPLE_PROMPT), device=t.device).repeat(num_samples, 1)
-    generator = torch.Generator(device=t.device).manual_seed(seed)
-    with t.forward_context(), sharding.root_gathered(t.raw_model):  # generation calls hidden_states, not forward
-        out = t.raw_model.generate(prompt, max_new_tokens, top_k=50, generator=generator)
-    t.raw_model.train()
+    trainable.raw_model.eval()
+    prompt = torch.tensor(enc.encode_ordinary(SAMPLE_PROMPT), device=trainable.device).repeat(num_samples, 1)
+    generator = torch.Generator(device=trainable.device).manual_seed(seed)
+    with trainable.forward_context(), sharding.root_gathered(trainable.raw_model):  # generation calls hidden_states, not forward
+        out = trainable.raw_model.generate(prompt, max_new_tokens, top_k=50, generator=generator)
+    trainable.raw_model.train()
     return [enc.decode(row) for row in out.tolist()]
 
 

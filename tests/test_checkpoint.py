@@ -30,7 +30,7 @@ def as_sharded(one_file, directory):
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
     checkpoint.load_optimizer_state(optimizer, state["optimizer"])
     rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    checkpoint.save_sharded(str(directory), model, optimizer, rest)
+    checkpoint.save_dcp(str(directory), model, optimizer, rest)
     return str(directory)
 
 
@@ -142,7 +142,7 @@ def to_dev_zero(path):
     os.symlink("/dev/zero", path)
 
 
-SHARD = "__0_0.distcp"  # what save_sharded writes in one process
+SHARD = "__0_0.distcp"  # what save_dcp writes in one process
 
 
 @pytest.mark.parametrize("damage, file, expected", [
@@ -167,7 +167,7 @@ def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy,
 def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy, tmp_path, capsys):
     ckpt = copy / "ckpt_000004"
     wider = GPT(GPTConfig(**{**TINY_CONFIG, "n_embd": 64}))
-    checkpoint.save_sharded(str(tmp_path / "wider"), wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
+    checkpoint.save_dcp(str(tmp_path / "wider"), wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
     for name in (".metadata", SHARD):
         shutil.copy(tmp_path / "wider" / name, ckpt / name)
     assert_every_reader_refuses(ckpt, tmp_path, capsys,

@@ -34,7 +34,7 @@ def test_a_cuda_process_sets_its_device(monkeypatch):
     current = []
     monkeypatch.setattr(distributed, "pick_device", lambda arg, local_rank: "cuda:1")
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    assert distributed.setup("cuda:1") == (0, 0, 1, "cuda:1") and current == ["cuda:1"]
+    assert distributed.init("cuda:1") == (0, 0, 1, "cuda:1") and current == ["cuda:1"]
 
 
 NON_FINITE_ON_RANK_1 = """
@@ -78,7 +78,7 @@ gc.disable()  # a collection at some arbitrary moment must not be what frees the
 threads = lambda: len(os.listdir("/proc/self/task"))
 torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()  # any thread torch itself keeps is started
 before = threads()
-distributed.setup("cpu")
+distributed.init("cpu")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
 model(torch.ones(2, 4)).sum().backward()
 del model

@@ -472,10 +472,10 @@ def test_a_sharded_save_that_fails_midway_leaves_no_partial_directory(tmp_path, 
         raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 704 vs 598")
     monkeypatch.setattr(checkpoint.torch, "save", zip_writer_full)
     with pytest.raises(OSError, match="unexpected pos 704 vs 598"):
-        checkpoint.save_sharded(path, model, optimizer, {"step": 4})
+        checkpoint.save_dcp(path, model, optimizer, {"step": 4})
     assert listdir(tmp_path) == []
     monkeypatch.undo()
     monkeypatch.setattr(checkpoint.dcp, "save", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
-        checkpoint.save_sharded(path, model, optimizer, {"step": 4})
+        checkpoint.save_dcp(path, model, optimizer, {"step": 4})
     assert listdir(tmp_path) == []

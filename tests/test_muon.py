@@ -299,7 +299,7 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     args = train_gpt2.parse_args([])
     del args.optimizer  # as the trainer saved its args before --optimizer
-    state = checkpoint.training_state(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, args)
+    state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, args)
     assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        scaler, loader) == 3
     with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
@@ -313,7 +313,7 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     saved = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cuda", fused_adamw=True, muon_lr=0.02)
-    state = checkpoint.training_state(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON))
+    state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON))
     optimizer = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cpu", muon_lr=0.04)
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2

@@ -136,7 +136,7 @@ dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven shards
 torch.manual_seed(7)
 model, init = sharding.build_on_meta(config)
-sharding.shard(model, torch.float32)
+sharding.apply_fsdp(model, torch.float32)
 sharding.materialize(model, init, "cpu")
 after = torch.get_rng_state()
 torch.manual_seed(7)

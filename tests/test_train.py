@@ -201,7 +201,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     """With gradient_as_bucket_view, DDP's all-reduce buckets are the gradients: every micro-step
     of every step accumulates into them, never into a second, freshly allocated set."""
     import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  (see distributed.setup)
+    import torch.distributed.nn  # noqa: F401  (see distributed.init)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -240,7 +240,7 @@ def test_resume_keeps_this_machines_adamw_kernel(shards):
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
-    state = checkpoint.training_state(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
+    state = checkpoint.checkpoint_contents(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
@@ -553,7 +553,7 @@ def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     finally:
         torch.set_default_dtype(torch.float32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    state = checkpoint.training_state(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]))
+    state = checkpoint.checkpoint_contents(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]))
     _, fresh = stepped_once(fused=True)
     model = GPT(GPTConfig(**TINY_CONFIG))
     resumed = model.configure_optimizers(0.1, 1e-3, "cpu", fused=True)
