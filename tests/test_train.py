@@ -2,6 +2,7 @@
 init_from, logging to wandb and TensorBoard, bad input."""
 import json
 import os
+import shutil
 import re
 import sys
 
@@ -54,9 +55,16 @@ def test_defaults_are_the_gpt2_124m_recipe():
 
 @pytest.fixture
 def demo_dir(tmp_path, monkeypatch):
-    """The demo preset's own data_dir, moved into tmp_path: the preset shards only there."""
+    """The demo preset's own data_dir, moved into tmp_path (a copy of the presets whose demo says
+    so): the preset shards only there."""
+    import cli
+
     data_dir = tmp_path / "shakespeare"
-    monkeypatch.setitem(train_gpt2.PRESETS["demo"], "data_dir", str(data_dir))
+    configs = tmp_path / "configs"
+    shutil.copytree(cli.CONFIG_DIR, configs)
+    demo = (configs / "demo.toml").read_text()
+    (configs / "demo.toml").write_text(demo.replace('data_dir = "data/shakespeare"', f"data_dir = {str(data_dir)!r}"))
+    monkeypatch.setattr(cli, "CONFIG_DIR", str(configs))
     return data_dir
 
 
