@@ -164,6 +164,7 @@ def test_a_shard_that_is_not_a_regular_file_or_shrinks_while_training_is_one_lin
         shard.read(0, 1000)
 
 
+@pytest.mark.slow
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     checkpoint = save_as_checkpoint(make_tiny_gpt(), tmp_path / "tiny.pt")
     out = tmp_path / "exports"

@@ -20,6 +20,7 @@ VARIANTS = {"matmul": {"ceiling"}, "train": {"project", "baseline"}, "tokenize":
             "generate": {"batched", "unbatched"}}
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_every_part_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     result = run_script("bench.py", "--quick", "--levers", "--json", out)
@@ -42,6 +43,7 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
     assert "project -padded_vocab" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure, recorded", [
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB"), {"out_of_memory": True}),
     (RuntimeError("backend compiler failed\n(a long trace)"), {"error": "RuntimeError: backend compiler failed"})])
@@ -74,6 +76,7 @@ def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
     assert [(r["name"], r["variant"]) for r in json.loads(out.read_text())["results"]] == [("matmul", "ceiling")]
 
 
+@pytest.mark.slow
 def test_a_json_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "atomic_open", disk_full)
     bench.main(["--quick", "--parts", "matmul,loader", "--json", str(tmp_path / "bench.json")])
@@ -177,6 +180,7 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
     assert waits == ["mps"] * 5
 
 
+@pytest.mark.slow
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
     """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
     train_gpt2.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
@@ -339,6 +343,7 @@ def test_the_trace_goes_beside_the_json(tmp_path):
     assert bench.parse_args(["--quick"]).trace is None
 
 
+@pytest.mark.slow
 def test_a_trace_that_cannot_be_written_is_said_and_leaves_nothing(tmp_path):
     """torch's export only logs a failed write, leaving X.trace.json.tmp and no trace."""
     result = run_script("bench.py", "--quick", "--device", "cpu", "--parts", "train", "--baseline", "0", "--steps", "1",

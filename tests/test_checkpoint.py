@@ -233,6 +233,7 @@ def test_metadata_values_of_the_wrong_type_are_one_line_in_every_reader(copy, tm
     assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
 
 
+@pytest.mark.slow
 def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
     """The refusal names it by its type: formatting it would never end, nor its memory stop growing."""
     ckpt = copy / "ckpt_000004"
@@ -265,6 +266,7 @@ def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():
         checkpoint.load_model("/dev/zero")
 
 
+@pytest.mark.slow
 def test_without_a_network_a_hub_model_is_one_line_at_once(tmp_path):
     """huggingface_hub would retry each file for most of a minute, printing 'Retrying in 8s'."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}

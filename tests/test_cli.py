@@ -141,6 +141,7 @@ train_gpt2.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_only_the_preset_asked_for_is_read(tmp_path):
     configs = tmp_path / "configs"
     configs.mkdir()

@@ -12,6 +12,7 @@ from data import ShardLoader, list_shards
 from model import GPT, GPTConfig
 
 
+@pytest.mark.slow
 def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkeypatch):
     write_token_shards(tmp_path)
     config = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)

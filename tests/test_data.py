@@ -62,6 +62,7 @@ assert torch.equal(torch.cat(seen), torch.arange(loader.batches_per_epoch * 16))
 """
 
 
+@pytest.mark.slow
 def test_loader_over_more_shards_than_open_files_allowed(tmp_path):
     paths = []
     for i in range(100):  # 10 tokens each, counting up across files: a token's value is its position

@@ -80,6 +80,7 @@ def test_this_torch_passes_and_requirements_txt_asks_for_the_minimum():
     assert tuple(map(int, minimum.groups())) == devices.MIN_TORCH
 
 
+@pytest.mark.slow
 def test_every_script_stops_on_an_old_torch_with_one_line_and_exit_code_1():
     """In one process per script, torch.__version__ set to 2.8 before the script runs: exit code 1,
     the one line on stderr and nothing else (no traceback), before any argument is read and

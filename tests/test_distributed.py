@@ -56,6 +56,7 @@ train_gpt2.main()
 """
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_rank_stops_every_rank_at_once(shards, tmp_path):
     """Non-finite weights found by one rank at checkpoint time: every rank stops with the same
     one-line error, rank 0 writes nothing, and no rank is left waiting for a collective."""
@@ -87,6 +88,7 @@ print("threads", before, threads())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the threads in /proc/self/task")
 def test_no_gloo_thread_outlives_the_process_group(tmp_path):
     """A gloo worker thread left running as the interpreter exits can free a tensor then and

@@ -40,6 +40,7 @@ def padded(tmp_path_factory):
     return model, ckpt, str(tmp / "hf")
 
 
+@pytest.mark.slow
 def test_export_gives_our_logits_with_the_vocabulary_unpadded(padded):
     model, _, out = padded
     written = sorted(os.listdir(out))

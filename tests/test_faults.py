@@ -59,6 +59,7 @@ def wait_for_line(proc, prefix):
     raise AssertionError(f"the run ended before printing {prefix!r}: {proc.stderr.read()[-2000:]}")
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterrupted_long, tmp_path):
     proc = popen_train(shards, tmp_path, *LONG)
     wait_for_line(proc, "step     2 |")
@@ -74,6 +75,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
     assert_each_step_logged_once(tmp_path, 40)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_auto_loses_and_repeats_nothing(shards, uninterrupted_long, tmp_path):
     proc = popen_train(shards, tmp_path, *LONG)
     wait_for_line(proc, "step     6 |")
@@ -127,6 +129,7 @@ def test_a_nan_step_under_fp16_loss_scaling_is_skipped_and_training_goes_on(shar
     assert [r["step"] for r in train_records(records)] == [0, 1, 3]
 
 
+@pytest.mark.slow
 def test_too_many_bad_steps_in_a_row_stop_the_run(shards, tmp_path):
     faults = [arg for step in range(2, 8) for arg in ("--fault", f"nan@{step}")]
     result = run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN, "--max_bad_steps", "3", *faults)
@@ -193,6 +196,7 @@ def test_shards_of_the_wrong_kind_are_named(shards, tmp_path, capsys, bad, probl
     assert paths[1] in message and problem in message
 
 
+@pytest.mark.slow
 def test_full_data_check_finds_what_the_quick_one_samples_past(tmp_path):
     paths = write_token_shards(tmp_path / "data", n_train=1, tokens_per_shard=300_000)
     tokens = np.load(paths[1])
@@ -204,6 +208,7 @@ def test_full_data_check_finds_what_the_quick_one_samples_past(tmp_path):
     assert paths[1] in message and "token id 999 at position 70000" in message
 
 
+@pytest.mark.slow
 def test_too_few_val_tokens_reduce_val_steps_with_a_warning(tmp_path):
     write_token_shards(tmp_path / "data", n_val=600)
     result = run_cli("--data_dir", tmp_path / "data", "--log_dir", tmp_path / "log", *RUN,
@@ -213,6 +218,7 @@ def test_too_few_val_tokens_reduce_val_steps_with_a_warning(tmp_path):
     assert len([r for r in read_log(tmp_path / "log") if "val_loss" in r]) == 3
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(shards, uninterrupted, tmp_path):
     # Two ranks of B=4 read what one process of B=8 reads: the reference run's weights.
     args = ["train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", str(tmp_path), *RUN, "-B", "4",
@@ -230,6 +236,7 @@ PREEMPTED = ["train_gpt2.py", *TINY, "-B", "1", "--total_batch_size", str(1200 *
              "--checkpoint_interval", "0"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(devices.torch_release(torch.__version__) < (2, 12), reason="torchrun's --shutdown-timeout: torch 2.12")
 def test_preemption_through_torchrun_checkpoints_within_its_grace_period(shards, tmp_path):
     """SLURM and Kubernetes send SIGTERM to torchrun, which forwards it to the workers and SIGKILLs
@@ -265,6 +272,7 @@ torch.save(dict(weights=model.state_dict(), checkpoints=checkpoints), os.path.jo
 """
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
     """A NaN and a SIGTERM on rank 1 only: both ranks skip the same step, drop the same step in
     flight, end with bit-identical weights, and leave train() once rank 0's checkpoint is written."""
@@ -299,6 +307,7 @@ def run_with_rank_1_patched(tmp_path, patch, *args):
     return run_torchrun(script, *TINY, *RUN, "-B", "4", *args, timeout=120)
 
 
+@pytest.mark.slow
 def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path):
     train(shards, tmp_path, *RUN, "--max_steps", "2")
     # As on a second node that does not share rank 0's disk: it finds no checkpoint.
@@ -311,6 +320,7 @@ def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path
     assert_each_step_logged_once(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_hellaswag_is_skipped_on_every_rank_when_one_rank_cannot_load_it(shards, tmp_path):
     examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
     result = run_with_rank_1_patched(
@@ -324,6 +334,7 @@ def test_hellaswag_is_skipped_on_every_rank_when_one_rank_cannot_load_it(shards,
     assert not any("hellaswag_acc_norm" in r for r in records)
 
 
+@pytest.mark.slow
 def test_hellaswag_is_downloaded_once_per_machine_not_once_per_rank(shards, tmp_path, monkeypatch):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
@@ -340,6 +351,7 @@ def test_hellaswag_is_downloaded_once_per_machine_not_once_per_rank(shards, tmp_
     assert [r["hellaswag_n"] for r in read_log(tmp_path / "log") if "hellaswag_n" in r] == [4, 4]
 
 
+@pytest.mark.slow
 def test_ranks_stop_together_after_too_many_bad_steps_on_one_rank(shards, tmp_path):
     faults = [arg for step in (1, 2) for arg in ("--fault", f"nan@{step}:1")]
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
@@ -374,6 +386,7 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
 
 # ----------------------------------------------------------------------------- runs never mixed, erased or lost
 
+@pytest.mark.slow
 def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_on(shards, tmp_path):
     """The free-space check passes, then the write fails: torch's zip writer reports it as a
     RuntimeError ("unexpected pos"), which must be a warning like any full disk."""
@@ -402,6 +415,7 @@ def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_p
     assert sorted(listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
 
 
+@pytest.mark.slow
 def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_moves_the_run_aside(shards, tmp_path):
     train(shards, tmp_path, *RUN)
     for name in ("ckpt_000004.pt", "ckpt_000008.pt"):

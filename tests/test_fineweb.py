@@ -120,6 +120,7 @@ def test_tokenize_documents_matches_one_document_per_task():
     assert ours.tolist() == baseline.tolist() == stream_of(texts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_cli_under_spawn_and_forkserver_matches_fork(tmp_path, method):
     site = tmp_path / "site"
@@ -392,6 +393,7 @@ def running(pid):
 
 # Ctrl-C on a terminal and a scheduler's SIGTERM reach every process of the run; `kill`, or
 # Kubernetes, signal only the main process, whose workers used to live on, orphaned.
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,to", [(signal.SIGINT, "group"), (signal.SIGTERM, "group"),
                                        (signal.SIGTERM, "process")])
 def test_ctrl_c_or_sigterm_shuts_the_workers_down_and_the_rerun_resumes(tmp_path, signum, to):

@@ -65,6 +65,7 @@ SEARCHES = [
 ]
 
 
+@pytest.mark.slow
 def test_greedy_and_beam_search_give_transformers_ids_batched_and_alone(models):
     model, hf = models
     prompts = make_prompts()
@@ -82,6 +83,7 @@ def test_greedy_and_beam_search_give_transformers_ids_batched_and_alone(models):
     assert any(row[-1] == EOT for rows in results for row in rows)  # texts end early, and are padded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     dict(),
     dict(temperature=0.7, top_k=20),

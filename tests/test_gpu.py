@@ -96,6 +96,7 @@ def test_the_compiled_bf16_loss_matches_the_sliced_float32_reference(chunked):
         assert (grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_on_cuda_compiled_and_under_fsdp_on_one_gpu(tmp_path):
     """The trainer's whole path on a GPU, compiled: one process, then FSDP2 under torchrun on the
     same GPU, which must give the same losses within bf16's tolerance."""

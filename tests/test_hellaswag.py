@@ -299,6 +299,7 @@ def run_cli(*args, env=None):
     return run_script("hellaswag.py", *args, env=env)
 
 
+@pytest.mark.slow
 def test_cli_scores_local_data_and_writes_json(tiny, examples, tmp_path):
     data = write_jsonl(tmp_path / "mini.jsonl", EXAMPLES)
     ckpt = save_train_checkpoint(tiny, tmp_path / "ckpt.pt")
@@ -347,6 +348,7 @@ def test_cli_refuses_what_it_cannot_score_or_write_before_scoring(tiny, tmp_path
     assert line.startswith("hellaswag.py: error: could not download mirror/hellaswag_val.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_without_network_or_data_fails_in_one_line(tmp_path):
     proc = run_cli("--cache_dir", str(tmp_path / "empty"),
                    env={"HELLASWAG_URL": (tmp_path / "unreachable").as_uri()})
@@ -387,6 +389,7 @@ def test_blank_lines_are_skipped(tmp_path):
     assert [e["label"] for e in read_examples(str(path))] == [2, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, why", [("/dev/zero", ": a device, not a regular file"),
                                        ("fifo", ": a FIFO, not a regular file"),
                                        ("dir", ": a directory, not a regular file"),

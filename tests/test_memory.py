@@ -78,6 +78,7 @@ def test_the_activation_estimate_is_the_sum_over_its_blocks():
             assert memory.activation_bytes(config, 3, 5, mode, every, a) == summed(config, 3, 5, mode, every, a)
 
 
+@pytest.mark.slow
 def test_plan_of_an_absurd_depth_is_printed_at_once():
     """A subprocess with a short timeout: a plan that counts layer by layer would take hours."""
     result = run_script("train_gpt2.py", "--plan", "--n_layer", 10**12, "--recompute", "full", "--recompute_every", 3,
@@ -140,6 +141,7 @@ def test_a_plan_past_a_floats_range_is_one_line(capsys, flags, expected):
     assert not capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_absurd_sizes_at_once_before_allocating(tmp_path, capsys):
     """The trainer's own check (memory.fit_problem) is one line too: past a float's range, and at a
     depth it once summed layer by layer (a subprocess with a short timeout, as it took hours)."""

@@ -19,6 +19,7 @@ def gpt2_124m():
     return GPT(GPTConfig())
 
 
+@pytest.mark.slow
 def test_parameter_count_and_weight_tying(gpt2_124m):
     assert sum(p.numel() for p in gpt2_124m.parameters()) == 124_439_808
     assert gpt2_124m.lm_head.weight is gpt2_124m.transformer.wte.weight

@@ -234,6 +234,7 @@ def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch)
     assert max(stepped) == pytest.approx(0.02)
 
 
+@pytest.mark.slow
 def test_ddp_with_muon_on_two_processes_equals_one_process(shards, tmp_path):
     single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4", *MUON)
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
@@ -320,6 +321,7 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
 
 
+@pytest.mark.slow
 def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways(shards, tmp_path):
     """Under FSDP2 each rank holds rows of Muon's matrices; torch's Muon steps them as DTensors, whose
     Newton-Schulz matmuls gather what they need. 2 ranks train as one process does; a sharded
@@ -351,6 +353,7 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"))
 
 
+@pytest.mark.slow
 def test_fsdp_with_muon_killed_or_out_of_disk_loses_nothing(shards, tmp_path):
     """Muon under --fsdp 1: every rank SIGKILLed at step 5, perhaps while step 4's checkpoint is
     still being written in the background, then rerun (--resume auto), ends as the uninterrupted

@@ -136,6 +136,7 @@ def test_each_peers_log_gives_its_steady_median_step(program):
         peers.read_log(program, "\n".join(LOGS[program]), 524288, warmup=4)
 
 
+@pytest.mark.slow
 def test_the_projects_own_log_is_read_back(tmp_path):
     """The trainer's real output, on the CPU at a tiny size, through the command the peers run."""
     config = peers.PeersConfig("", "", micro_batch_size=2, seq_len=32, total_batch_size=128, steps=2, warmup=1)
@@ -169,6 +170,7 @@ def test_the_peers_are_refused_in_one_line_before_anything_runs(capsys, llmc, bu
         " (see --help)" if "needs" in expected else "")
 
 
+@pytest.mark.slow
 def test_the_peers_run_only_when_named():
     assert "peers" not in bench.parse_args(["--device", "cpu"]).parts
     result = run_script("bench.py", "--parts", "peers")

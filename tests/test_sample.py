@@ -43,6 +43,7 @@ def expected_output(model, prompt, n_samples, max_new_tokens, generator, **sampl
     return text
 
 
+@pytest.mark.slow
 def test_seeded_samples_repeat_and_read_the_prompt_from_a_file(padded, tmp_path, capsys):
     model, ckpt = padded
     (tmp_path / "prompt.txt").write_text(PROMPT, encoding="utf-8")
@@ -79,6 +80,7 @@ def test_a_prompt_file_is_read_as_is(tmp_path):
     assert sample.read_prompt(f"@{tmp_path / 'prompt.txt'}") == "Dear Sir,\r\n\r\nold Mac line\rend\n"
 
 
+@pytest.mark.slow
 def test_top_k_1_is_greedy_and_never_a_padding_id(padded):
     model, ckpt = padded
     result = run_script("sample.py", "--model", ckpt, "--prompt", PROMPT, "--num_samples", 1,
@@ -260,6 +262,7 @@ def test_bad_prompt_files_and_flags_are_one_line_errors(tmp_path, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, name, why", [
     ("--prompts ", "/dev/zero", ": a device, not a regular file"),
     ("--prompts ", "fifo", ": a FIFO, not a regular file"),
@@ -334,6 +337,7 @@ def test_prompts_run_batch_size_at_a_time_with_the_results_of_one_batch(eot_mode
     assert runs[3] == runs[None]  # the same texts, and the same --json to the byte
 
 
+@pytest.mark.slow
 def test_a_file_of_200000_prompts_is_generated_16_at_a_time(padded, tmp_path, monkeypatch, capsys):
     # It was one batch: 200,000 rows (and generators), that ran out of memory.
     _, ckpt = padded

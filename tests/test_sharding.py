@@ -32,6 +32,7 @@ def runs_side_by_side(shards, tmp, *flags):
     return (tmp / "single", single), (tmp / "fsdp", read_log(tmp / "fsdp"))
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_ranks_trains_as_one_process(shards, tmp_path):
     """Sharded from a meta-device build, recomputing attention, with the chunked loss: over 10 steps of 2 micro-steps, the per-step losses and
     grad norms of one process with the same global batch within float32 noise (which also needs
@@ -63,6 +64,7 @@ def evaluated_runs(shards, tmp_path_factory):
     return (*runs, examples)
 
 
+@pytest.mark.slow
 def test_fsdp_evaluates_hellaswag_and_samples_as_one_process(evaluated_runs):
     """Each rank scores an equal share of HellaSwag (one padded with an uncounted example: every
     forward gathers weights from all ranks), and every rank samples, rank 0 logging."""
@@ -87,6 +89,7 @@ def test_a_sharded_checkpoint_and_its_one_file_conversion_score_alike(evaluated_
     assert state["step"] == 2 and len(state["optimizer"]["state"]) == n_params
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_exactly_on_2_ranks_or_1_after_a_sigterm(shards, tmp_path):
     common = ["--data_dir", shards, "--max_steps", "8", "--checkpoint_interval", "4", "--fsdp", "1", "-B", "2"]
     torchrun(*common, "--log_dir", tmp_path / "full")
@@ -106,6 +109,7 @@ def test_sharded_checkpoints_resume_exactly_on_2_ranks_or_1_after_a_sigterm(shar
     assert_same_run([r for r in full if r["step"] >= 4], one)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_fsdp_train_as_eager_and_keep_their_names(shards, tmp_path):
     """--compile 1 under FSDP (as on a GPU; dynamo's eager backend here) compiles each Block's
     forward: the losses are the eager run's, and the parameter names are GPT's, for the meta-device
@@ -148,6 +152,7 @@ distributed.leave()
 """
 
 
+@pytest.mark.slow
 def test_a_model_built_on_the_meta_device_gets_the_weights_built_in_one_process(tmp_path):
     script = tmp_path / "meta_init.py"
     script.write_text(META_INIT.format(repo=REPO))
@@ -184,6 +189,7 @@ def test_fsdp_needs_torchrun_and_async_checkpoints_need_fsdp(shards, tmp_path, c
         capsys, "--data_dir", shards, "--log_dir", tmp_path, "--async_checkpoint")
 
 
+@pytest.mark.slow
 def test_a_one_file_checkpoint_resumes_under_fsdp(shards, tmp_path):
     """AdamW's state in a one-file checkpoint is keyed by the parameters' order; FSDP's loader
     takes it by their names, each rank keeping its shards."""
@@ -193,6 +199,7 @@ def test_a_one_file_checkpoint_resumes_under_fsdp(shards, tmp_path):
     assert_same_run([r for r in single if r["step"] >= 2], read_log(tmp_path / "fsdp"))
 
 
+@pytest.mark.slow
 def test_a_crafted_sharded_checkpoint_runs_nothing_when_resumed_under_fsdp(shards, evaluated_runs, tmp_path):
     """Two ranks resume from a checkpoint whose .metadata declares a weight a "bytes" item stored
     in a pickle that would create a file: both refuse it before reading, and the run stops in one line."""

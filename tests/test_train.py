@@ -186,6 +186,7 @@ def test_gradient_accumulation_equals_one_big_batch(shards, tmp_path):
         assert torch.allclose(tensor, final_weights(tmp_path / "four", 6)[key], atol=1e-5), key
 
 
+@pytest.mark.slow
 def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
     # Two micro-steps a step on both sides: the first under no_sync, gradients as bucket views.
     # Val: 2 micro-batches of 4x32 on one process, 2 of 2x32 on each of two ranks: the same 256 tokens.
@@ -263,6 +264,7 @@ def test_resume_auto_truncates_the_log_to_the_checkpoint(shards, tmp_path):
     assert [r["step"] for r in train_records(records)] == list(range(8))
 
 
+@pytest.mark.slow
 def test_bad_input_fails_with_one_line(shards, tmp_path, capsys):
     message = one_line_error(run_cli("--data_dir", tmp_path / "empty", "--log_dir", tmp_path / "log"))
     assert "no *_train_*.npy shards" in message and "python fineweb.py" in message
@@ -403,6 +405,7 @@ def test_a_missing_logging_package_is_one_clear_error(shards, tmp_path, monkeypa
     assert capsys.readouterr().err == f"error: {flag} needs the {flag[2:]} package: pip install {flag[2:]}\n"
 
 
+@pytest.mark.slow
 def test_compiled_ddp_run_equals_eager_evaluates_hellaswag_and_saves_plain_gpt_keys(shards, tmp_path):
     """A 2-process run with --compile 1 and HellaSwag at every eval: torch.compile wraps DDP (so
     dynamo cuts the graph at DDP's buckets and the all-reduce overlaps the backward), the losses are
