@@ -88,6 +88,7 @@ class Parser(argparse.ArgumentParser):
             action = flags.get(key)
             if action is None or key in not_keys or key == "help":
                 self.error(f"{path}: unknown key {key!r} (not one of the flags' long names)")
+            values[key] = value = as_switch(action, value)
             problem = value_problem(action, value)
             if problem:
                 self.error(f"{path}: {key} {problem}")
@@ -111,6 +112,17 @@ def gpt2_vocab_problem(vocab_size):
     if vocab_size < N_VOCAB:
         return f"a vocabulary of {vocab_size} cannot hold GPT-2's {N_VOCAB} token ids"
     return None
+
+
+def as_switch(action, value):
+    """A switch's value as its flag takes it: TOML's true and false, and 1 and 0, for a flag of
+    choices 0 and 1 or of "1" and "0" (--compile auto|1|0); any other value as it is."""
+    on_off = isinstance(value, bool) or (type(value) is int and value in (0, 1))
+    if on_off and action.choices is not None and {"1", "0"} <= set(action.choices):
+        return str(int(value))
+    if on_off and action.choices is not None and set(action.choices) == {0, 1}:
+        return int(value)
+    return value
 
 
 def value_problem(action, value):

@@ -25,6 +25,17 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
     assert args.n_embd == 128 and args.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("compile = 0\nhellaswag = false\nfsdp = true\nchunked_loss = 1", ("0", 0, 1, 1)),
+    ("compile = true\nhellaswag = 0\nfsdp = false\nchunked_loss = true", ("1", 0, 0, 1)),
+    ("compile = 'auto'", ("auto", 1, 0, 0)),
+])
+def test_a_switch_in_a_config_takes_tomls_true_false_1_and_0(tmp_path, text, expected):
+    args = train_gpt2.parse_args(["--config", write(tmp_path / "run.toml", text)])
+    assert (args.compile, args.hellaswag, args.fsdp, args.chunked_loss) == expected
+    assert type(args.hellaswag) is int and type(args.compile) is str
+
+
 def test_every_preset_is_a_valid_config():
     for name in preset_names():
         assert train_gpt2.parse_args(["--preset", name]).preset == name
@@ -39,6 +50,7 @@ def test_every_preset_is_a_valid_config():
     ("max_lr = 'high'", "max_lr must be a number, not 'high'"),
     ("device = 1", "device must be a string, not 1"),
     ("plan = 1", "plan must be true or false, not 1"),
+    ("compile = 2", "compile must be a string, not 2"),
     ("dtype = 'float64'", "dtype must be one of auto, bfloat16, float16, float32, not 'float64'"),
     ("fault = ['nan@1']", "fault cannot be set in a config file"),
     ("n_layer = ", "not TOML"),
