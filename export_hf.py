@@ -22,7 +22,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
-from checkpoint import load_model_onto
+from dcp_reader import CheckpointError
+from loading import load_model_on
 from cli import Parser, first_line
 from tokenizer import EOT, N_VOCAB, get_encoding
 
@@ -190,7 +191,10 @@ def main(argv=None):
         parser.fail(f"{args.out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not args.force:
         parser.fail(f"{args.out_dir} exists and is not empty (use --force to replace it)")
-    model, _ = load_model_onto(parser, args.model)
+    try:
+        model, _ = load_model_on(args.model)
+    except CheckpointError as e:
+        parser.fail(str(e))
     if not model.config.bias:
         parser.fail(f"{args.model}: a model without biases (bias=False) is not a GPT-2 architecture")
     try:

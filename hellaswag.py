@@ -25,7 +25,8 @@ import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops 
 from torch.nn import functional as F
 
 from atomic import atomic_open
-from checkpoint import load_model_onto
+from dcp_reader import CheckpointError
+from loading import load_model_on
 from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
 from devices import autocast, pick_dtype
 from tokenizer import get_encoding
@@ -302,7 +303,10 @@ def main(argv=None):
         print(f"{cached_path(args.split, args.cache_dir)}: {len(examples):,} examples, checked")
         return
     examples = examples[: args.limit]
-    model, device = load_model_onto(parser, args.model, args.device)
+    try:
+        model, device = load_model_on(args.model, args.device)
+    except CheckpointError as e:
+        parser.fail(str(e))
     try:
         check_model(model.config, examples)
     except HellaSwagError as e:

@@ -18,7 +18,8 @@ import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 
 from atomic import atomic_open
-from checkpoint import load_model_onto
+from dcp_reader import CheckpointError
+from loading import load_model_on
 from cli import Parser, UnreadableFile, read_lines, read_text
 from generate import GenerationConfig, generate_stream, left_pad
 from tokenizer import EOT, get_encoding
@@ -167,7 +168,10 @@ def main(argv=None):
     config = args.config
     flag, value = ("--prompts", args.prompts) if args.prompts is not None else ("--prompt", args.prompt)
     prompts = load_prompts(parser, flag, value)
-    model, device = load_model_onto(parser, args.model, args.device)
+    try:
+        model, device = load_model_on(args.model, args.device)
+    except CheckpointError as e:
+        parser.fail(str(e))
 
     enc = get_encoding()
     # Only the lengths are kept: as Python ints, every prompt's ids at once could take gigabytes.

@@ -30,12 +30,13 @@ import hellaswag
 import logdir
 import memory
 import sharding
-from checkpoint import CheckpointError, Checkpointer, list_checkpoints, load_model
+from checkpoint import CheckpointError, Checkpointer, list_checkpoints
 from cli import Parser, gpt2_vocab_problem, preset_names, preset_path, read_config
 from data import TINY_SHAKESPEARE, ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, every_rank, on_every_rank
 from faults import Faults, parse_fault
+from loading import load_model
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
 from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, build_optimizer

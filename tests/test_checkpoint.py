@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import loading
 import export_hf
 import hellaswag
 import sample
@@ -261,9 +262,9 @@ def test_a_shard_that_is_a_link_is_refused_even_to_a_good_shard(copy, tmp_path, 
 
 def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():
     with pytest.raises(checkpoint.CheckpointError, match="^/no/such/dir: no such file or directory$"):
-        checkpoint.load_model("/no/such/dir")
+        loading.load_model("/no/such/dir")
     with pytest.raises(checkpoint.CheckpointError, match="^/dev/zero: not a regular file or a directory$"):
-        checkpoint.load_model("/dev/zero")
+        loading.load_model("/dev/zero")
 
 
 @pytest.mark.slow

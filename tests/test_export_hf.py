@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipeline
 
 import export_hf
-from checkpoint import load_model
+from loading import load_model
 from helpers import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT
 from tokenizer import EOT, N_VOCAB, get_encoding

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import loading
 import devices
 import logdir
 import train_gpt2
@@ -107,7 +108,7 @@ def test_malicious_checkpoint_is_refused_and_never_runs(shards, tmp_path, capsys
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "log", *RUN, "--resume", bad)
     assert "refused" in message and "not a plain-data checkpoint" in message
     with pytest.raises(checkpoint.CheckpointError, match="refused"):
-        checkpoint.load_model(str(bad))  # what hellaswag.py, sample.py and export_hf.py load through
+        loading.load_model(str(bad))  # what hellaswag.py, sample.py and export_hf.py load through
     assert not os.path.exists(marker)
 
 
@@ -370,18 +371,18 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
     not_hf.mkdir()
     with pytest.raises(checkpoint.CheckpointError, match=r"not_a_model: a directory with neither checkpoints .* nor "
                                                          r"a Hugging Face GPT-2 model \(config.json\) in it$") as e:
-        checkpoint.load_model(str(not_hf))
+        loading.load_model(str(not_hf))
     assert "\n" not in str(e.value)
     wrong_shape = tmp_path / "ckpt_000001.pt"
     model = checkpoint.GPT(checkpoint.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     state = {"model": model.state_dict(), "config": {**model.config.__dict__, "n_embd": 32}}
     torch.save(state, wrong_shape)
     with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint of this GPT"):
-        checkpoint.load_model(str(wrong_shape))
+        loading.load_model(str(wrong_shape))
     text = tmp_path / "hellaswag.jsonl"  # a file given in the wrong place: not taken for a malicious pickle
     text.write_text('{"ctx": "A man", "label": 0}\n')
     with pytest.raises(checkpoint.CheckpointError, match=r": not a checkpoint \(no file that torch.save writes\)"):
-        checkpoint.load_model(str(text))
+        loading.load_model(str(text))
 
 
 # ----------------------------------------------------------------------------- runs never mixed, erased or lost

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
-from checkpoint import load_model
+from loading import load_model
 from cli import MAX_LINE_CHARS
 from helpers import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
                       write_jsonl)

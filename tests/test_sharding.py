@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint
+import loading
 import hellaswag
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
                       exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
@@ -43,8 +44,8 @@ def test_fsdp_on_two_ranks_trains_as_one_process(shards, tmp_path):
     assert_same_run(single, fsdp)
     assert_same_records(single, fsdp, "val_loss", steps=[0, 5, 10])
     assert sorted(listdir(fsdp_dir)) == ["ckpt_000010", "log.jsonl"]
-    sharded = checkpoint.load_model(str(fsdp_dir / "ckpt_000010")).state_dict()
-    for key, tensor in checkpoint.load_model(str(single_dir / "ckpt_000010.pt")).state_dict().items():
+    sharded = loading.load_model(str(fsdp_dir / "ckpt_000010")).state_dict()
+    for key, tensor in loading.load_model(str(single_dir / "ckpt_000010.pt")).state_dict().items():
         assert torch.allclose(sharded[key], tensor, atol=1e-5), key
 
 
@@ -85,7 +86,7 @@ def test_a_sharded_checkpoint_and_its_one_file_conversion_score_alike(evaluated_
     assert scores[0] == scores[1]
     assert scores[0]["acc_norm"] == [r["hellaswag_acc_norm"] for r in fsdp if "hellaswag_acc_norm" in r][-1]
     state = checkpoint.load_checkpoint(str(tmp_path / "converted.pt"))
-    n_params = len(list(checkpoint.load_model(str(tmp_path / "converted.pt")).parameters()))
+    n_params = len(list(loading.load_model(str(tmp_path / "converted.pt")).parameters()))
     assert state["step"] == 2 and len(state["optimizer"]["state"]) == n_params
 
 
@@ -126,7 +127,7 @@ def test_compiled_blocks_under_fsdp_train_as_eager_and_keep_their_names(shards, 
 
 
 def assert_same_weights(a, b, atol):
-    a, b = checkpoint.load_model(str(a)).state_dict(), checkpoint.load_model(str(b)).state_dict()
+    a, b = loading.load_model(str(a)).state_dict(), loading.load_model(str(b)).state_dict()
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=atol, rtol=0) for k in a)
 
 
@@ -175,7 +176,7 @@ def test_sharded_checkpoint_errors_are_one_line_and_run_nothing(evaluated_runs, 
     (crafted / ".metadata").write_bytes(pickle.dumps(RunsCode()))
     with pytest.raises(checkpoint.CheckpointError, match=r"refused: its \.metadata is not DCP's plain metadata "
                                                          r"\(it would construct (posix|os)\.system\); nothing in it was run"):
-        checkpoint.load_model(str(crafted))
+        loading.load_model(str(crafted))
     assert not (tmp_path / "ran").exists()
     os.remove(crafted / ".metadata")
     assert "incomplete sharded checkpoint (no .metadata)" in exit_message(capsys, checkpoint.main, crafted, tmp_path / "x.pt")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import loading
 import distributed
 import train_gpt2
 from checkpoint import load_checkpoint
@@ -446,7 +447,7 @@ def test_checkpoints_with_wrapper_prefixes_still_load(shards, tmp_path):
 def assert_resumes(shards, log_dir, weights):
     """load_model and --resume both take the newest checkpoint in log_dir, whose model is weights."""
     newest = checkpoint.list_checkpoints(str(log_dir))[-1]
-    loaded = checkpoint.load_model(newest).state_dict()
+    loaded = loading.load_model(newest).state_dict()
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
     records = train(shards, log_dir, "--total_batch_size", "256", "-B", "8", "--max_steps", "3")
     assert [r["step"] for r in train_records(records)][-1] == 2

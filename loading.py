@@ -1,0 +1,121 @@
+"""A GPT for the scripts (sample.py, hellaswag.py, export_hf.py, train_gpt2.py --init_from) from
+whatever the user names: a checkpoint of train_gpt2.py (one file, a sharded directory, or a run's
+log_dir, whose newest it takes), a Hugging Face GPT-2 directory, or OpenAI's gpt2 ... gpt2-xl from
+the hub, or from its cache where the hub cannot be reached. Every failure is one CheckpointError line.
+"""
+import os
+import socket
+import sys
+import traceback
+import urllib.parse
+import warnings
+
+from checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_sharded, model_of
+from cli import first_line, gpt2_vocab_problem
+from dcp_reader import CheckpointError
+from devices import pick_device
+from model import GPT
+
+
+def load_model_on(name, device="cpu"):
+    """(model in eval mode, device) for anything load_model takes, or a one-line CheckpointError:
+    a device this machine lacks, a model that cannot be loaded, one that cannot hold GPT-2's ids."""
+    try:
+        device = pick_device(device)
+    except ValueError as e:
+        raise CheckpointError(f"--device {device}: {e}") from None
+    model = load_model(name)  # read on the CPU: a training checkpoint also holds AdamW's moments
+    problem = gpt2_vocab_problem(model.config.vocab_size)
+    if problem:
+        raise CheckpointError(f"{name}: {problem}")
+    return model.to(device).eval(), device
+
+
+def load_model(name_or_path, map_location="cpu"):
+    """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory; of a run's
+    log_dir, its newest, named on stderr), or from OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging
+    Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
+    model it cannot load the same way."""
+    name_or_path = newest_in_log_dir(name_or_path)
+    # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
+    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
+        state = load_checkpoint(name_or_path, map_location)
+        model = model_of(name_or_path, state["config"])
+        if is_sharded_checkpoint(name_or_path):
+            load_sharded(name_or_path, model)
+        else:
+            try:
+                model.load_state_dict(state["model"])
+            except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's
+                raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
+    elif names_a_path(name_or_path) and not os.path.isdir(name_or_path):
+        what = "not a regular file or a directory" if os.path.exists(name_or_path) else "no such file or directory"
+        raise CheckpointError(f"{name_or_path}: {what}")
+    else:
+        model = load_pretrained(name_or_path)
+    for name, tensor in model.state_dict().items():
+        if not tensor.isfinite().all():
+            raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")
+    return model
+
+
+def newest_in_log_dir(path):
+    """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
+    log_dir); CheckpointError for a directory that holds neither them nor a Hugging Face model."""
+    if not os.path.isdir(path) or is_sharded_checkpoint(path):
+        return path
+    checkpoints = list_checkpoints(path)
+    if checkpoints:
+        print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
+        return checkpoints[-1]
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or ckpt_XXXXXX/ "
+                              f"sharded) nor a Hugging Face GPT-2 model (config.json) in it")
+    return path
+
+
+def names_a_path(name):
+    """Whether name can only be a path: a hub id is NAME or OWNER/NAME."""
+    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1
+
+
+def load_pretrained(name_or_path):
+    """GPT.from_pretrained, every failure one line: an unknown name, no network, a directory that
+    is not GPT-2's, or one damaged (a truncated safetensors file, a pickle that is not plain tensors)."""
+    unreachable = not os.path.isdir(name_or_path) and hub_unreachable()
+    try:
+        with warnings.catch_warnings():  # torch's multi-line warning about a file it refused: the error says it
+            warnings.simplefilter("ignore")
+            return GPT.from_pretrained(name_or_path, local_files_only=unreachable is not None)
+    except Exception as e:
+        if raised_by_torch_load(e):  # transformers reads pytorch_model.bin with weights_only=True
+            raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "
+                                  f"(damaged, or a pickle that would run code); nothing in it was run") from None
+        if unreachable:
+            raise CheckpointError(f"cannot load {name_or_path}: it is not in the Hugging Face cache, and {unreachable}")
+        where = name_or_path
+        if type(e).__name__ == "SafetensorError":
+            where = os.path.join(name_or_path, "model.safetensors")
+        raise CheckpointError(f"cannot load {where}: {first_line(e)}") from None
+
+
+def hub_unreachable(timeout=5):
+    """Why the Hugging Face hub cannot be reached, or None if it can (or through a proxy, which this
+    cannot test). Asked once, up front: offline, huggingface_hub retries each file for a minute."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"{url.hostname} cannot be reached ({first_line(e)}): no network?"
+    return None
+
+
+def raised_by_torch_load(error):
+    """Damaged bytes fail in torch's weights-only unpickler as UnpicklingError, IndexError, KeyError..."""
+    torch_files = (os.path.join("torch", "serialization.py"), os.path.join("torch", "_weights_only_unpickler.py"))
+    return any(frame.f_code.co_filename.endswith(torch_files) for frame, _ in traceback.walk_tb(error.__traceback__))
