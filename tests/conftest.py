@@ -1,5 +1,6 @@
 """pytest's setup for the tests: offline, two threads, one temporary directory of their own,
 cuda-marked tests skipped without CUDA, and the fixtures. The helpers are in helpers.py."""
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -21,8 +22,9 @@ os.environ["TMPDIR"] = tempfile.tempdir = TEST_TMP
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == 0:
-        shutil.rmtree(TEST_TMP, ignore_errors=True)
+    if exitstatus == 0:  # at exit, once multiprocessing has removed its own directory in it (priority -100)
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(TEST_TMP,), kwargs={"ignore_errors": True},
+                                      exitpriority=-101)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus):
