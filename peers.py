@@ -133,26 +133,39 @@ def cudnn_frontend(llmc_checkout):
     return None
 
 
-def llmc_make_command(cudnn_include=None):
-    """make's command line for train_gpt2cu, with cuDNN attention when cudnn_include is given. cuDNN
-    itself comes from the nvidia-cudnn wheel beside torch; today's cudnn-frontend also needs nvrtc
-    and the driver library."""
+def llmc_make_command(cudnn_include=None, wheel=None):
+    """make's command line for train_gpt2cu, with cuDNN attention when cudnn_include (a
+    cudnn-frontend's headers) is given; today's cudnn-frontend also needs nvrtc and the driver
+    library. wheel: cuDNN from the nvidia-cudnn wheel beside torch (cudnn_wheel), else the system's."""
     command = ["make", "train_gpt2cu", f"USE_CUDNN={int(cudnn_include is not None)}", "NO_MULTI_GPU=1", "NO_USE_MPI=1"]
     if cudnn_include is not None:
-        lib = cudnn_library_dir()
-        command += [f"CUDNN_FRONTEND_PATH={cudnn_include}",
-                    "NVCC_LDLIBS=-lnvrtc -lcuda" + (f" -L{lib} -Xlinker -rpath={lib}" if lib else "")]
+        headers, ldlibs = cudnn_include, "-lnvrtc -lcuda"
+        if wheel is not None:
+            include, link, lib = wheel
+            headers += f" -I{include}"  # the Makefile puts -I before CUDNN_FRONTEND_PATH: cuDNN's own headers ride along
+            ldlibs += f" -L{link} -Xlinker -rpath={lib}"
+        command += [f"CUDNN_FRONTEND_PATH={headers}", f"NVCC_LDLIBS={ldlibs}"]
     return command
 
 
-def cudnn_library_dir():
-    """The lib directory of the nvidia-cudnn wheel installed beside torch, if there is one."""
+def cudnn_wheel(scratch):
+    """The nvidia-cudnn wheel beside torch as llm.c's build needs it, or None without one: (its
+    headers, a directory in scratch where libcudnn.so names the wheel's versioned library, which
+    -lcudnn cannot find alone, and the wheel's library directory, for the binary to load it from)."""
     try:
         import nvidia.cudnn
     except ImportError:
         return None
-    lib = os.path.join(list(nvidia.cudnn.__path__)[0], "lib")
-    return lib if os.path.isdir(lib) else None
+    root = list(nvidia.cudnn.__path__)[0]
+    include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
+    versioned = sorted(glob.glob(os.path.join(glob.escape(lib), "libcudnn.so.*")))
+    if not (os.path.isdir(include) and versioned):
+        return None
+    link = os.path.join(scratch, "cudnn-link")
+    os.makedirs(link, exist_ok=True)
+    if not os.path.lexists(os.path.join(link, "libcudnn.so")):
+        os.symlink(versioned[0], os.path.join(link, "libcudnn.so"))
+    return include, link, lib
 
 
 def llmc_run_command(binary, train_pattern, val_pattern, B, T, total_batch_size, steps):
@@ -256,8 +269,8 @@ def start_llmc_builds(config, workdir):
         adapt_llmc(config.llmc, scratch)
         log_path = os.path.join(workdir, f"{variant}-build.log")
         with open(log_path, "w") as log:
-            builds[variant] = scratch, subprocess.Popen(llmc_make_command(cudnn), cwd=scratch, stdout=log,
-                                                        stderr=subprocess.STDOUT), log_path
+            command = llmc_make_command(cudnn, cudnn_wheel(scratch) if cudnn else None)
+            builds[variant] = scratch, subprocess.Popen(command, cwd=scratch, stdout=log, stderr=subprocess.STDOUT), log_path
     return builds
 
 

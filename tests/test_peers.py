@@ -3,6 +3,8 @@ each peer's checkout (the checkout itself untouched), each program's log read ba
 refusals. The peers' runs themselves need a GPU (docs/benchmarks.md)."""
 import glob
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -113,7 +115,27 @@ def test_llmc_commands(tmp_path):
     assert "USE_CUDNN=0" in peers.llmc_make_command()
     with_cudnn = peers.llmc_make_command(str(tmp_path))
     assert "USE_CUDNN=1" in with_cudnn and f"CUDNN_FRONTEND_PATH={tmp_path}" in with_cudnn
-    assert any(arg.startswith("NVCC_LDLIBS=-lnvrtc -lcuda") for arg in with_cudnn)
+    assert "NVCC_LDLIBS=-lnvrtc -lcuda" in with_cudnn
+
+
+def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeypatch):
+    """The nvidia-cudnn wheel ships libcudnn.so.9 but no libcudnn.so, which -lcudnn looks for."""
+    wheel = tmp_path / "nvidia" / "cudnn"
+    (wheel / "include").mkdir(parents=True)
+    (wheel / "lib").mkdir()
+    (wheel / "lib" / "libcudnn.so.9").write_bytes(b"")
+    cudnn = types.SimpleNamespace(__path__=[str(wheel)])
+    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(wheel.parent)], cudnn=cudnn))
+    monkeypatch.setitem(sys.modules, "nvidia.cudnn", cudnn)
+    found = peers.cudnn_wheel(str(tmp_path / "scratch"))
+    link = tmp_path / "scratch" / "cudnn-link"
+    assert found == (str(wheel / "include"), str(link), str(wheel / "lib"))
+    assert os.readlink(link / "libcudnn.so") == str(wheel / "lib" / "libcudnn.so.9")
+    command = peers.llmc_make_command("front/include", found)
+    assert f"CUDNN_FRONTEND_PATH=front/include -I{wheel / 'include'}" in command
+    assert f"NVCC_LDLIBS=-lnvrtc -lcuda -L{link} -Xlinker -rpath={wheel / 'lib'}" in command
+    monkeypatch.setitem(sys.modules, "nvidia.cudnn", None)  # no wheel: the system's cuDNN
+    assert peers.cudnn_wheel(str(tmp_path / "scratch")) is None
 
 
 LOGS = {
