@@ -48,7 +48,7 @@ from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from train_gpt2 import build_parser as trainer_parser, build_trainable, train_step
+from train_gpt2 import ATTENTION_KERNELS, build_parser as trainer_parser, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -392,15 +392,15 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-    model = GPT(train_model_config(cfg, levers["vocab_size"])).to(device)
+    model = GPT(train_model_config(cfg, levers["vocab_size"]), recompute=levers["recompute"],
+                attention=ATTENTION_KERNELS[levers["attention"]]).to(device)
     trainable = None
     stack = contextlib.ExitStack()
     try:
         # Inductor reads its settings when it compiles, on the first step: set for the whole run.
         stack.enter_context(torch._inductor.config.patch(levers["inductor"]))
         trainable = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
-                            fused_adamw=levers["fused_adamw"], attention=levers["attention"],
-                            recompute=levers["recompute"], chunked_loss=levers["chunked_loss"])
+                                    fused_adamw=levers["fused_adamw"], chunked_loss=levers["chunked_loss"])
         return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}

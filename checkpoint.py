@@ -455,10 +455,11 @@ def remove_unfinished(log_dir):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def model_of(path, config):
-    """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError."""
+def model_of(path, config, **options):
+    """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError;
+    options: how it runs, as GPT's."""
     try:
-        return GPT(GPTConfig(**config))
+        return GPT(GPTConfig(**config), **options)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
 

@@ -31,16 +31,17 @@ def load_model_on(name, device="cpu"):
     return model.to(device).eval(), device
 
 
-def load_model(name_or_path, map_location="cpu"):
+def load_model(name_or_path, map_location="cpu", **options):
     """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory; of a run's
     log_dir, its newest, named on stderr), or from OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging
     Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
-    model it cannot load the same way."""
+    model it cannot load the same way. options: how it runs, as GPT's (the trainer's recompute and
+    attention)."""
     name_or_path = newest_in_log_dir(name_or_path)
     # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
     if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
-        model = model_of(name_or_path, state["config"])
+        model = model_of(name_or_path, state["config"], **options)
         if is_sharded_checkpoint(name_or_path):
             load_sharded(name_or_path, model)
         else:
@@ -52,7 +53,7 @@ def load_model(name_or_path, map_location="cpu"):
         what = "not a regular file or a directory" if os.path.exists(name_or_path) else "no such file or directory"
         raise CheckpointError(f"{name_or_path}: {what}")
     else:
-        model = load_pretrained(name_or_path)
+        model = load_pretrained(name_or_path, **options)
     for name, tensor in model.state_dict().items():
         if not tensor.isfinite().all():
             raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")
@@ -79,14 +80,14 @@ def names_a_path(name):
     return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1
 
 
-def load_pretrained(name_or_path):
+def load_pretrained(name_or_path, **options):
     """GPT.from_pretrained, every failure one line: an unknown name, no network, a directory that
     is not GPT-2's, or one damaged (a truncated safetensors file, a pickle that is not plain tensors)."""
     unreachable = not os.path.isdir(name_or_path) and hub_unreachable()
     try:
         with warnings.catch_warnings():  # torch's multi-line warning about a file it refused: the error says it
             warnings.simplefilter("ignore")
-            return GPT.from_pretrained(name_or_path, local_files_only=unreachable is not None)
+            return GPT.from_pretrained(name_or_path, local_files_only=unreachable is not None, **options)
     except Exception as e:
         if raised_by_torch_load(e):  # transformers reads pytorch_model.bin with weights_only=True
             raise CheckpointError(f"{os.path.join(name_or_path, 'pytorch_model.bin')}: refused: not plain tensors "

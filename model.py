@@ -134,11 +134,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 class CausalSelfAttention(nn.Module):
-    recompute_core = False  # set by GPT.set_recompute: a training choice, not part of the model
-    kernels = None  # set by GPT.set_attention: the SDPA backends allowed (None: torch's choice)
-
-    def __init__(self, config):
+    def __init__(self, config, attention=None, recompute_core=False):
         super().__init__()
+        self.kernels = attention  # the SDPA backends it may use (None: torch's choice)
+        self.recompute_core = recompute_core  # SDPA run again in the backward pass
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
@@ -189,12 +188,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    recompute = "none"  # one of RECOMPUTE, set by GPT.set_recompute
-
-    def __init__(self, config):
+    def __init__(self, config, recompute="none", attention=None):
         super().__init__()
+        self.recompute = recompute  # one of RECOMPUTE
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, attention, recompute_core=recompute == "core_attn")
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -210,14 +208,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, recompute="none", recompute_every=1, attention=None):
+        """How it runs, never what it computes: recompute (one of RECOMPUTE) in blocks 0,
+        recompute_every, 2*recompute_every, ... (less memory, more compute); attention, the SDPA
+        backends every layer may use (a list of torch.nn.attention.SDPBackend; None: torch's choice)."""
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, recompute if i % recompute_every == 0 else "none", attention)
+                             for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -273,17 +275,6 @@ class GPT(nn.Module):
             x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)
 
-    def set_recompute(self, mode, every=1):
-        """Recompute (one of RECOMPUTE) in blocks 0, every, 2*every, ...: less memory, more compute."""
-        for i, block in enumerate(self.transformer.h):
-            block.recompute = mode if i % every == 0 else "none"
-            block.attn.recompute_core = block.recompute == "core_attn"
-
-    def set_attention(self, kernels):
-        """The SDPA backends (a list of torch.nn.attention.SDPBackend) every layer may use; None: torch's choice."""
-        for block in self.transformer.h:
-            block.attn.kernels = kernels
-
     def head(self, x):
         """Hidden states (..., n_embd) -> logits (..., n_tokens): the padding rows are sliced away,
         so that sampling and scoring never see them. A caller that needs few positions' logits
@@ -331,9 +322,9 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
 
     @classmethod
-    def from_pretrained(cls, name_or_path, local_files_only=False):
+    def from_pretrained(cls, name_or_path, local_files_only=False, **options):
         """OpenAI's GPT-2 ("gpt2" ... "gpt2-xl", from the Hugging Face hub or its local cache) or a
-        local directory holding a Hugging Face GPT-2 checkpoint."""
+        local directory holding a Hugging Face GPT-2 checkpoint; options: how it runs, as GPT's."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
         hf = GPT2Config.from_pretrained(name_or_path, local_files_only=local_files_only)  # checked before any weight is read
@@ -355,7 +346,7 @@ class GPT(nn.Module):
         except ValueError as e:
             raise ValueError(f"config.json: {e}") from None
         hf_model = GPT2LMHeadModel.from_pretrained(name_or_path, local_files_only=local_files_only)
-        model = cls(config)
+        model = cls(config, **options)
         model.load_hf_state_dict(hf_model.state_dict(), source=name_or_path)
         return model
 

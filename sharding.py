@@ -63,13 +63,13 @@ class RecordedInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_on_meta(config):
-    """(GPT(config) on the meta device, its initialisation: the recorded calls, each with the
+def build_on_meta(config, **options):
+    """(GPT(config, **options) on the meta device, its initialisation: the recorded calls, each with the
     name of the parameter it writes (None for a tensor that is no parameter any more, such as
     the head's own weight before it was tied to the embedding), and the RNG state to replay from)."""
     rng_state = torch.get_rng_state()
     with torch.device("meta"), RecordedInit() as recorded:
-        model = GPT(config)
+        model = GPT(config, **options)
     names = {}
     for name, p in model.named_parameters():  # a tied parameter under its first name, as FSDP keeps it
         names[id(p)] = name

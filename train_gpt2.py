@@ -316,8 +316,8 @@ def to_device(batch, device):
 
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
-                    compile_mode=None, fused_adamw=None, attention="auto", fsdp=False, init=None,
-                    recompute="none", recompute_every=1, chunked_loss=False, optimizer="adamw", muon_lr=MUON_LR,
+                    compile_mode=None, fused_adamw=None, fsdp=False, init=None, chunked_loss=False,
+                    optimizer="adamw", muon_lr=MUON_LR,
                     muon_momentum=MUON_MOMENTUM, muon_weight_decay=MUON_WEIGHT_DECAY):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
@@ -325,9 +325,8 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
     sharded over the ranks (see sharding.py), and built on the meta device when init is its
     recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
     fused_adamw=False; or, with optimizer "muon", Muon over the blocks' matrices and that AdamW over
-    the rest (muon.build_optimizer). recompute, recompute_every: see GPT.set_recompute."""
-    raw_model.set_recompute(recompute, recompute_every)
-    raw_model.set_attention(ATTENTION_KERNELS[attention])
+    the rest (muon.build_optimizer). How the model runs (recompute, attention) is its own: see
+    model_options."""
     if fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optimizer == "muon")
         if init is not None:
@@ -481,11 +480,10 @@ def setup(args):
     hellaswag_examples = load_hellaswag(args, local_rank, raw_model.config, log)
     compile_mode = args.compile_mode if resolve_compile(args.compile, device.split(":")[0], log) else None
     trainable = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
-                        args.grad_clip, args.weight_decay, args.max_lr, compile_mode, attention=args.attention,
-                        fsdp=bool(args.fsdp), init=init, recompute=args.recompute,
-                        recompute_every=args.recompute_every, chunked_loss=bool(args.chunked_loss),
-                        optimizer=args.optimizer, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
-                        muon_weight_decay=args.muon_weight_decay)
+                                args.grad_clip, args.weight_decay, args.max_lr, compile_mode, fsdp=bool(args.fsdp),
+                                init=init, chunked_loss=bool(args.chunked_loss), optimizer=args.optimizer,
+                                muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+                                muon_weight_decay=args.muon_weight_decay)
     if args.optimizer == "muon":
         n_muon = sum(p.numel() for group in trainable.optimizer.muon.param_groups for p in group["params"])
         log(f"optimizer: Muon (peak lr {args.muon_lr}, momentum {args.muon_momentum}, weight decay "
@@ -549,12 +547,13 @@ def build_model(args, device, log):
     load_model takes (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture
     then wins, on device. Under FSDP a random one is built on the meta device instead, to be
     materialized shard by shard from init, its recorded initialisation (see sharding.py)."""
+    options = model_options(args)
     if args.init_from == "scratch":
         config = model_config(args)
-        return sharding.build_on_meta(config) if args.fsdp else (GPT(config).to(device), None)
+        return sharding.build_on_meta(config, **options) if args.fsdp else (GPT(config, **options).to(device), None)
     log(f"initialising from {args.init_from}")
     try:
-        return load_model(args.init_from).to(device), None
+        return load_model(args.init_from, **options).to(device), None
     except CheckpointError as e:
         raise RunError(f"--init_from: {e}") from None
 
@@ -714,6 +713,12 @@ def print_plan(args):
           f"{args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, optimizer {args.optimizer}; "
           f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
+
+
+def model_options(args):
+    """How the GPT runs, GPT's keyword arguments: recompute, and the attention kernels it may use."""
+    return dict(recompute=args.recompute, recompute_every=args.recompute_every,
+                attention=ATTENTION_KERNELS[args.attention])
 
 
 def model_config(args):

@@ -43,6 +43,14 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
     assert "project -padded_vocab" in result.stdout
 
 
+def attention_of(model):
+    """The --attention flag whose SDPA backends model was built with."""
+    import train_gpt2
+
+    kernels = model.transformer.h[0].attn.kernels
+    return next(name for name, allowed in train_gpt2.ATTENTION_KERNELS.items() if allowed == kernels)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failure, recorded", [
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB"), {"out_of_memory": True}),
@@ -50,10 +58,10 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
 def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, failure, recorded):
     real_build = bench.build_trainable
 
-    def fail_the_project(*args, attention, **kwargs):  # the baseline runs the math attention
-        if attention != "math":
+    def fail_the_project(model, *args, **kwargs):  # the baseline runs the math attention
+        if attention_of(model) != "math":
             raise failure
-        return real_build(*args, attention=attention, **kwargs)
+        return real_build(model, *args, **kwargs)
     monkeypatch.setattr(bench, "build_trainable", fail_the_project)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "2,3"]), "cpu", str(tmp_path), results.append)
@@ -191,7 +199,8 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     built, stepped, flash = [], [], []
 
     def build(model, *args, **kwargs):
-        built.append(((model, *args), kwargs))
+        built.append(((model, *args), dict(kwargs, attention=attention_of(model),
+                                           recompute=model.transformer.h[0].recompute)))
         return train_gpt2.build_trainable(model, *args, **kwargs)
     monkeypatch.setattr(bench, "build_trainable", build)
     real_sdpa = torch.nn.functional.scaled_dot_product_attention

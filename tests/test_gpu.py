@@ -56,8 +56,7 @@ def test_the_compiled_bf16_step_matches_eager(chunked_loss):
 
 def attention_kernels(kernels):
     """The names of the GPU kernels that a compiled forward under these SDPA backends ran."""
-    model = GPT(CONFIG).cuda()
-    model.set_attention(kernels)
+    model = GPT(CONFIG, attention=kernels).cuda()
     compiled = torch.compile(model)
     idx = batch()[0].cuda()
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):

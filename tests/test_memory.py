@@ -28,13 +28,16 @@ def gradients(model, idx, **forward):
 def test_recompute_gives_bit_identical_gradients(mode, every):
     """With dropout on, so the replayed RNG matters; a block recomputed as another (a closure over
     a loop variable) would change every gradient below it."""
+    config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})).train()
+    model = GPT(config).train()
     idx = torch.randint(0, CONFIG.vocab_size, (2, 48))
     expected = gradients(model, idx)
-    model.set_recompute(mode, every)
-    assert [block.recompute for block in model.transformer.h] == [mode if i % every == 0 else "none" for i in range(4)]
-    got = gradients(model, idx)
+    recomputing = GPT(config, recompute=mode, recompute_every=every).train()
+    recomputing.load_state_dict(model.state_dict())
+    assert [block.recompute for block in recomputing.transformer.h] == [mode if i % every == 0 else "none"
+                                                                         for i in range(4)]
+    got = gradients(recomputing, idx)
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
 
@@ -58,8 +61,7 @@ def saved_for_backward(model, idx):
 @pytest.mark.parametrize("mode", RECOMPUTE)
 @pytest.mark.parametrize("every", [1, 2])
 def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
-    model = GPT(CONFIG).train()
-    model.set_recompute(mode, every)
+    model = GPT(CONFIG, recompute=mode, recompute_every=every).train()
     B, T = 2, 64
     measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)))
     estimate = memory.activation_bytes(CONFIG, B, T, mode, every, a=4) + memory.head_gradient_bytes(CONFIG)
