@@ -317,8 +317,8 @@ def to_device(batch, device):
 
 def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
                     compile_mode=None, fused_adamw=None, fsdp=False, init=None, chunked_loss=False,
-                    optimizer="adamw", muon_lr=MUON_LR,
-                    muon_momentum=MUON_MOMENTUM, muon_weight_decay=MUON_WEIGHT_DECAY):
+                    optimizer="adamw", muon_lr=MUON_LR, muon_momentum=MUON_MOMENTUM,
+                    muon_weight_decay=MUON_WEIGHT_DECAY):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
