@@ -42,6 +42,7 @@ import generate
 import hellaswag
 import memory
 import peers
+from muon import OptimizerConfig
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
@@ -399,8 +400,9 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     try:
         # Inductor reads its settings when it compiles, on the first step: set for the whole run.
         stack.enter_context(torch._inductor.config.patch(levers["inductor"]))
-        trainable = build_trainable(model, device, dtype, grad_accum_steps, compile_mode=levers["compile"],
-                                    fused_adamw=levers["fused_adamw"], chunked_loss=levers["chunked_loss"])
+        trainable = build_trainable(model, device, dtype, grad_accum_steps,
+                                    OptimizerConfig(fused_adamw=levers["fused_adamw"]), compile_mode=levers["compile"],
+                                    chunked_loss=levers["chunked_loss"])
         return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
     except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
         return {"out_of_memory": True}

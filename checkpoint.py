@@ -39,7 +39,7 @@ from cli import Parser, first_line
 from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
-from muon import build_optimizer, optimizer_name, saved_parts, torch_optimizers
+from muon import OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
@@ -575,8 +575,8 @@ def main(argv=None):
         model = model_of(args.sharded, state["config"])
         # The groups' values come from the checkpoint, but for Muon's lr_scale: the run's own.
         run = state["args"] if isinstance(state.get("args"), dict) else {}
-        optimizer = build_optimizer(model, saved_optimizer_name(state), 0.0, run.get("max_lr", 1.0), "cpu",
-                                    fused_adamw=False, muon_lr=run.get("muon_lr", 1.0))
+        optimizer = build_optimizer(model, OptimizerConfig(saved_optimizer_name(state), run.get("max_lr", 1.0), 0.0,
+                                                           fused_adamw=False, muon_lr=run.get("muon_lr", 1.0)), "cpu")
         with restoring(args.sharded, "model and optimizer"):
             load_sharded(args.sharded, model, optimizer)
         problem = optimizer_state_problem(model, optimizer)

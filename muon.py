@@ -19,11 +19,26 @@ The schedule: train_step sets each group's lr to get_lr(step), times the group's
 it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with
 AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly as without Muon.
 """
+from dataclasses import dataclass
+
 import torch
 
 OPTIMIZERS = ("adamw", "muon")
 # --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).
 MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY = 0.02, 0.9, 0.1
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A run's optimizer: the recipe's AdamW for every parameter, or Muon for the blocks' matrices
+    and that AdamW for the rest. lr and muon_lr are the peaks that the schedule scales."""
+    name: str = "adamw"  # one of OPTIMIZERS
+    lr: float = 6e-4
+    weight_decay: float = 0.1
+    fused_adamw: bool = None  # AdamW's fused kernel; None: on CUDA
+    muon_lr: float = MUON_LR
+    muon_momentum: float = MUON_MOMENTUM
+    muon_weight_decay: float = MUON_WEIGHT_DECAY
 MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in each Block
 
 
@@ -110,23 +125,22 @@ class BlockMuon(torch.optim.Muon):
         return has_complex
 
 
-def build_optimizer(raw_model, name, weight_decay, lr, device_type, fused_adamw=None, muon_lr=MUON_LR,
-                    muon_momentum=MUON_MOMENTUM, muon_weight_decay=MUON_WEIGHT_DECAY):
-    """The optimizer of --optimizer name: configure_optimizers' AdamW (adamw), or a MuonAdamW
-    whose AdamW is configure_optimizers' less muon_params, at peak lr, and whose Muon peaks at
-    muon_lr (nesterov, torch's Newton-Schulz defaults), in two groups: the c_attn matrices, as
-    q, k and v apart, then the others."""
-    if name == "adamw":
-        return raw_model.configure_optimizers(weight_decay, lr, device_type, fused=fused_adamw)
-    if name != "muon":
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {name!r}")
-    matrices = muon_params(raw_model)
-    adamw = raw_model.configure_optimizers(weight_decay, lr, device_type, fused=fused_adamw, exclude=matrices)
+def build_optimizer(raw_model, config, device_type):
+    """The optimizer of an OptimizerConfig: configure_optimizers' AdamW (adamw), or a MuonAdamW
+    whose AdamW is configure_optimizers' less muon_params, and whose Muon (nesterov, torch's
+    Newton-Schulz defaults) has two groups: the c_attn matrices, as q, k and v apart, then the others."""
+    if config.name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {config.name!r}")
+    matrices = muon_params(raw_model) if config.name == "muon" else []
+    adamw = raw_model.configure_optimizers(config.weight_decay, config.lr, device_type, fused=config.fused_adamw,
+                                           exclude=matrices)
+    if config.name == "adamw":
+        return adamw
     qkv = [block.attn.c_attn.weight for block in raw_model.transformer.h]
     others = [p for p in matrices if all(p is not q for q in qkv)]
-    muon = BlockMuon([{"params": qkv, "row_blocks": 3, "lr_scale": muon_lr / lr},
-                      {"params": others, "lr_scale": muon_lr / lr}],
-                     lr=muon_lr, weight_decay=muon_weight_decay, momentum=muon_momentum)
+    scale = config.muon_lr / config.lr  # the schedule scales the lr of every group alike
+    muon = BlockMuon([{"params": qkv, "row_blocks": 3, "lr_scale": scale}, {"params": others, "lr_scale": scale}],
+                     lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=config.muon_momentum)
     return MuonAdamW(adamw, muon)
 
 

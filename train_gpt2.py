@@ -39,7 +39,7 @@ from faults import Faults, parse_fault
 from loading import load_model
 from logdir import MetricsLog
 from model import GPT, GPTConfig, RECOMPUTE
-from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, build_optimizer
+from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, OptimizerConfig, build_optimizer
 from tokenizer import PADDED_VOCAB, get_encoding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -315,20 +315,17 @@ def to_device(batch, device):
     return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
 
 
-def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, weight_decay=0.1, lr=6e-4,
-                    compile_mode=None, fused_adamw=None, fsdp=False, init=None, chunked_loss=False,
-                    optimizer="adamw", muon_lr=MUON_LR, muon_momentum=MUON_MOMENTUM,
-                    muon_weight_decay=MUON_WEIGHT_DECAY):
+def build_trainable(raw_model, device, dtype, grad_accum_steps, optim=OptimizerConfig(), grad_clip=1.0,
+                    compile_mode=None, fsdp=False, init=None, chunked_loss=False):
     """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
     (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
     sharded over the ranks (see sharding.py), and built on the meta device when init is its
-    recorded initialisation. Then AdamW over the parameters, or their shards: fused on CUDA unless
-    fused_adamw=False; or, with optimizer "muon", Muon over the blocks' matrices and that AdamW over
-    the rest (muon.build_optimizer). How the model runs (recompute, attention) is its own: see
+    recorded initialisation. Then the optimizer that optim (a muon.OptimizerConfig, the recipe's
+    AdamW by default) describes, over the parameters or their shards (muon.build_optimizer). How the model runs (recompute, attention) is its own: see
     model_options."""
     if fsdp:
-        model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optimizer == "muon")
+        model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optim.name == "muon")
         if init is not None:
             sharding.materialize(raw_model, init, device)
     else:
@@ -339,8 +336,7 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, grad_clip=1.0, w
                         gradient_as_bucket_view=True)
         if compile_mode is not None:
             model = devices.compiled(model, compile_mode)
-    optimizer = build_optimizer(raw_model, optimizer, weight_decay, lr, device.split(":")[0], fused_adamw, muon_lr,
-                                muon_momentum, muon_weight_decay)
+    optimizer = build_optimizer(raw_model, optim, device.split(":")[0])
     # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
     scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
     return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, chunked_loss)
@@ -480,10 +476,8 @@ def setup(args):
     hellaswag_examples = load_hellaswag(args, local_rank, raw_model.config, log)
     compile_mode = args.compile_mode if resolve_compile(args.compile, device.split(":")[0], log) else None
     trainable = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
-                                args.grad_clip, args.weight_decay, args.max_lr, compile_mode, fsdp=bool(args.fsdp),
-                                init=init, chunked_loss=bool(args.chunked_loss), optimizer=args.optimizer,
-                                muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
-                                muon_weight_decay=args.muon_weight_decay)
+                                optimizer_config(args), args.grad_clip, compile_mode, fsdp=bool(args.fsdp), init=init,
+                                chunked_loss=bool(args.chunked_loss))
     if args.optimizer == "muon":
         n_muon = sum(p.numel() for group in trainable.optimizer.muon.param_groups for p in group["params"])
         log(f"optimizer: Muon (peak lr {args.muon_lr}, momentum {args.muon_momentum}, weight decay "
@@ -713,6 +707,12 @@ def print_plan(args):
           f"{args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, optimizer {args.optimizer}; "
           f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
+
+
+def optimizer_config(args):
+    """The run's muon.OptimizerConfig, from its flags."""
+    return OptimizerConfig(args.optimizer, args.max_lr, args.weight_decay, muon_lr=args.muon_lr,
+                           muon_momentum=args.muon_momentum, muon_weight_decay=args.muon_weight_decay)
 
 
 def model_options(args):

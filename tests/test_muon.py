@@ -51,8 +51,8 @@ def block_matrices(model):
 def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
-    t = train_gpt2.build_trainable(model, "cpu", torch.float32, 1, grad_clip=grad_clip, weight_decay=0.1, lr=3e-3,
-                                   optimizer=optimizer, **kw)
+    t = train_gpt2.build_trainable(model, "cpu", torch.float32, 1, muon.OptimizerConfig(optimizer, 3e-3, 0.1, **kw),
+                                   grad_clip=grad_clip)
     if scaler is not None:
         t.scaler = scaler
     return t
@@ -303,19 +303,20 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, args)
     assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        scaler, loader) == 3
+    optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
     with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
                                                          "--optimizer muon"):
-        checkpoint.restore_training(state, "ckpt", model, muon.build_optimizer(model, "muon", 0.1, 1e-3, "cpu"),
-                                    scaler, loader)
+        checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader)
 
 
 def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr(shards):
     model = tiny_model()
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    saved = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cuda", fused_adamw=True, muon_lr=0.02)
+    fused = muon.OptimizerConfig("muon", 1e-3, 0.1, fused_adamw=True, muon_lr=0.02)
+    saved = muon.build_optimizer(model, fused, "cuda")
     state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON))
-    optimizer = muon.build_optimizer(model, "muon", 0.1, 1e-3, "cpu", muon_lr=0.04)
+    optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
