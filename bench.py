@@ -16,7 +16,6 @@ MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N 
 position embedding) against the device's dense bf16 peak.
 """
 import argparse
-import contextlib
 import datetime
 import gc
 import re
@@ -388,38 +387,36 @@ def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, dev
 
 
 def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure):
-    """measure(model, trainable, loader) of a fresh model's Trainable and a loader of micro_batch_size: its
-    dict, or {"out_of_memory": True}, or {"error": why}."""
+    """measure(model, trainable, loader) of a fresh model's Trainable and a loader of micro_batch_size:
+    its dict, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
     model = GPT(train_model_config(cfg, levers["vocab_size"]), recompute=levers["recompute"],
                 attention=ATTENTION_KERNELS[levers["attention"]]).to(device)
     trainable = None
-    stack = contextlib.ExitStack()
-    try:
-        # Inductor reads its settings when it compiles, on the first step: set for the whole run.
-        stack.enter_context(torch._inductor.config.patch(levers["inductor"]))
-        trainable = build_trainable(model, device, dtype, grad_accum_steps,
-                                    OptimizerConfig(fused_adamw=levers["fused_adamw"]), compile_mode=levers["compile"],
-                                    chunked_loss=levers["chunked_loss"])
-        return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
-    except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
-        return {"out_of_memory": True}
-    except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
-        first_line = next(iter(str(e).strip().splitlines()), "")
-        error = f"{type(e).__name__}: {first_line}"
-        print(f"warning: train B{micro_batch_size}: {levers}: {error}", file=sys.stderr)
-        return {"error": error}
-    finally:  # the next run starts with the device's memory free, and Inductor's settings as they were
-        stack.close()
-        model = trainable = None
-        gc.collect()
-        if device_type == "cuda":
-            try:
-                torch.cuda.empty_cache()
-            except RuntimeError:  # the device failed (an illegal memory access, say): recorded above, and in each run after
-                pass
+    # Inductor reads its settings when it compiles, on the first step: set for the whole run.
+    with torch._inductor.config.patch(levers["inductor"]):
+        try:
+            trainable = build_trainable(model, device, dtype, grad_accum_steps,
+                                        OptimizerConfig(fused_adamw=levers["fused_adamw"]),
+                                        compile_mode=levers["compile"], chunked_loss=levers["chunked_loss"])
+            return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
+        except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
+            return {"out_of_memory": True}
+        except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
+            first_line = next(iter(str(e).strip().splitlines()), "")
+            error = f"{type(e).__name__}: {first_line}"
+            print(f"warning: train B{micro_batch_size}: {levers}: {error}", file=sys.stderr)
+            return {"error": error}
+        finally:  # the next run starts with the device's memory free
+            model = trainable = None
+            gc.collect()
+            if device_type == "cuda":
+                try:
+                    torch.cuda.empty_cache()
+                except RuntimeError:  # the device failed (an illegal memory access, say): recorded above, and after
+                    pass
 
 
 # ----------------------------------------------------------------------------- profile

@@ -483,7 +483,7 @@ class Checkpointer:
         return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
 
     def save(self, step, trainable, train_loader, args):
-        """Saves t (a Trainable) and the loader at step, on every rank at once: a refusal (weights
+        """Saves trainable and the loader at step, on every rank at once: a refusal (weights
         that are not finite) then stops every rank, none left waiting at the next collective."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
         finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
@@ -492,7 +492,8 @@ class Checkpointer:
             self._save_dcp(step, trainable, train_loader, args)
         elif self.rank == 0:
             path = checkpoint_path(self.log_dir, step)
-            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader, args)
+            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
+                                        args)
             if save_checkpoint(path, state):
                 prune_checkpoints(self.log_dir, self.keep_last)
                 self.log(f"saved {path}")
@@ -533,7 +534,8 @@ class Checkpointer:
         self.log(f"saved {path}")
 
     def restore(self, resume, trainable, train_loader, max_steps):
-        """Restores the checkpoint resume names ("auto", "none" or a path) into t and the loader;
+        """Restores the checkpoint resume names ("auto", "none" or a path) into trainable and the
+        loader;
         returns the step to start from. Every rank reads the checkpoint itself, so all must find
         the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
         checkpoint whose shards cannot be read (damage shows only then) is passed over for the
@@ -548,7 +550,8 @@ class Checkpointer:
                 return 0
             path, state = found
             try:
-                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler, train_loader)
+                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler,
+                                        train_loader)
                 break
             except UnreadableStorage as e:
                 if resume != "auto":

@@ -22,9 +22,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
+from cli import Parser, first_line
 from dcp_reader import CheckpointError
 from loading import load_model_on
-from cli import Parser, first_line
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 EOT_TEXT = "<|endoftext|>"

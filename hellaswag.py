@@ -10,7 +10,7 @@ every ending token given all tokens before it is summed (acc picks the lowest su
 averaged over the ending's tokens (acc_norm picks the lowest mean). Rows are padded on
 the right, where causal attention never looks, and pad positions are left out of the loss.
 
-train_gpt2.py imports load_examples and evaluate for its periodic eval.
+train_gpt2.py imports load_examples and count_correct for its periodic eval.
 """
 import contextlib
 import http.client
@@ -25,10 +25,10 @@ import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops 
 from torch.nn import functional as F
 
 from atomic import atomic_open
-from dcp_reader import CheckpointError
-from loading import load_model_on
 from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
+from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
+from loading import load_model_on
 from tokenizer import get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
@@ -233,8 +233,8 @@ def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
         yield [key for key, _ in batch], total.cpu(), mean.cpu()
 
 
-def count_correct(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1, progress=False,
-             equal_shares=False):
+def count_correct(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1,
+                  progress=False, equal_shares=False):
     """Scores this rank's share, examples[rank::world_size], and returns its LOCAL counts
     {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
     given: the caller puts it on device and in eval mode. equal_shares: every rank runs as many

@@ -26,6 +26,7 @@ import torch
 OPTIMIZERS = ("adamw", "muon")
 # --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).
 MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY = 0.02, 0.9, 0.1
+MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in each Block
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,10 @@ class OptimizerConfig:
     name: str = "adamw"  # one of OPTIMIZERS
     lr: float = 6e-4
     weight_decay: float = 0.1
-    fused_adamw: bool = None  # AdamW's fused kernel; None: on CUDA
+    fused_adamw: bool | None = None  # AdamW's fused kernel; None: on CUDA
     muon_lr: float = MUON_LR
     muon_momentum: float = MUON_MOMENTUM
     muon_weight_decay: float = MUON_WEIGHT_DECAY
-MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in each Block
 
 
 def muon_params(raw_model):

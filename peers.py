@@ -252,8 +252,9 @@ def write_tokens(data_dir, config):
     """Random GPT-2 ids: a val shard and a train shard of a few steps' tokens (every loader wraps)."""
     os.makedirs(data_dir, exist_ok=True)
     rng = np.random.default_rng(0)
-    write_shard(os.path.join(data_dir, shard_name("peers", "val", 0)), rng.integers(0, N_VOCAB, 2 * config.total_batch_size + 1))
-    write_shard(os.path.join(data_dir, shard_name("peers", "train", 1)), rng.integers(0, N_VOCAB, 4 * config.total_batch_size + 1))
+    for split, index, steps in (("val", 0, 2), ("train", 1, 4)):
+        tokens = rng.integers(0, N_VOCAB, steps * config.total_batch_size + 1)
+        write_shard(os.path.join(data_dir, shard_name("peers", split, index)), tokens)
 
 
 def start_llmc_builds(config, workdir):
@@ -270,7 +271,8 @@ def start_llmc_builds(config, workdir):
         log_path = os.path.join(workdir, f"{variant}-build.log")
         with open(log_path, "w") as log:
             command = llmc_make_command(cudnn, cudnn_wheel(scratch) if cudnn else None)
-            builds[variant] = scratch, subprocess.Popen(command, cwd=scratch, stdout=log, stderr=subprocess.STDOUT), log_path
+            build = subprocess.Popen(command, cwd=scratch, stdout=log, stderr=subprocess.STDOUT)
+        builds[variant] = scratch, build, log_path
     return builds
 
 

@@ -18,10 +18,10 @@ import torch
 import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 
 from atomic import atomic_open
-from dcp_reader import CheckpointError
-from loading import load_model_on
 from cli import Parser, UnreadableFile, read_lines, read_text
+from dcp_reader import CheckpointError
 from generate import GenerationConfig, generate_stream, left_pad
+from loading import load_model_on
 from tokenizer import EOT, get_encoding
 
 DECODE_NAMES = {"sampling": "sampling", "greedy": "greedy", "beam": "beam",

@@ -62,8 +62,9 @@ def build_parser(add_help=True):
 
 def add_run_and_model_flags(a):
     """What to train on, where its files go, and the model."""
-    a("--preset", default="gpt2", choices=preset_names(), metavar="NAME",  # only the one named is read
-      help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(preset_names())}")
+    presets = preset_names()  # only the one named is read
+    a("--preset", default="gpt2", choices=presets, metavar="NAME",
+      help=f"a named recipe, configs/NAME.toml, whose values become the defaults: {', '.join(presets)}")
     a("--config", metavar="FILE", default=None,
       help="a TOML file of the same form as a preset's (keys: the flags' long names without dashes), read after "
            "the preset; flags given on the command line override both")
@@ -322,8 +323,8 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, optim=OptimizerC
     DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
     sharded over the ranks (see sharding.py), and built on the meta device when init is its
     recorded initialisation. Then the optimizer that optim (a muon.OptimizerConfig, the recipe's
-    AdamW by default) describes, over the parameters or their shards (muon.build_optimizer). How the model runs (recompute, attention) is its own: see
-    model_options."""
+    AdamW by default) describes, over the parameters or their shards (muon.build_optimizer). How
+    the model runs (recompute, attention) is its own: see model_options."""
     if fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optim.name == "muon")
         if init is not None:
