@@ -32,10 +32,10 @@ from fractions import Fraction
 
 import numpy as np
 import torch
-import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch._inductor.config
 from torch.nn import functional as F
 
+import devices
 import fineweb
 import generate
 import hellaswag

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException

@@ -3,6 +3,7 @@
 the progress of long jobs."""
 import argparse
 import os
+import re
 import stat
 import sys
 import time
@@ -52,6 +53,37 @@ def read_config(path):
         raise ConfigError(f"{path}: not TOML ({first_line(e)})") from None
 
 
+# The oldest torch this code runs on (requirements.txt says the same). 2.7 brought the newest
+# APIs it uses but one: distribute_tensor(src_data_rank=) (sharding.py) and DCP's
+# _StorageInfo.transform_descriptors (dcp_reader.py). Up to 2.8 gloo's reduce_scatter_tensor sums
+# where asked to average (FSDP on a CPU got gradients world-size times too large), and 2.9 brought
+# torch.optim.Muon (--optimizer muon): 2.9.
+MIN_TORCH = (2, 9)
+
+
+def torch_release(version):
+    """(major, minor) of a torch version (2.13.0+cpu, 2.11.0a0+git1234: a nightly counts as the
+    release it leads to), or None if it names none."""
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    return tuple(map(int, found.groups())) if found else None
+
+
+def torch_problem(version):
+    """The one-line error for a torch version older than MIN_TORCH, or None."""
+    if (torch_release(version) or MIN_TORCH) < MIN_TORCH:
+        return f"error: this code needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]} (found {version}): pip install -U torch"
+    return None
+
+
+def check_torch():
+    """Exits with torch_problem's one line if the torch imported is older than MIN_TORCH. Every
+    script meets it first thing, through Parser (memory.py, which has no flags, calls it itself),
+    with torch imported if it uses torch at all: an old torch stops there, not in a traceback."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch_problem(torch.__version__):
+        sys.exit(torch_problem(torch.__version__))
+
+
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """The description as written; each flag's default after its help, unless the help says it or there is none."""
 
@@ -68,6 +100,10 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, formatter_class=HelpWithDefaults, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        check_torch()  # before any flag, even --help, is read
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -1,41 +1,12 @@
 """Where and in what precision to run: one answer for training, evaluation, sampling and the benchmark."""
 import os
 import re
-import sys
 import warnings
 from contextlib import nullcontext
 
 import torch
 
 from cli import first_line
-
-# The oldest torch this code runs on (requirements.txt says the same). 2.7 brought the newest
-# APIs it uses but one: distribute_tensor(src_data_rank=) (sharding.py) and DCP's
-# _StorageInfo.transform_descriptors (checkpoint.py). Up to 2.8 gloo's reduce_scatter_tensor sums
-# where asked to average (FSDP on a CPU got gradients world-size times too large), and 2.9 brought
-# torch.optim.Muon (--optimizer muon): 2.9.
-MIN_TORCH = (2, 9)
-
-
-def torch_release(version):
-    """(major, minor) of a torch version (2.13.0+cpu, 2.11.0a0+git1234: a nightly counts as the
-    release it leads to), or None if it names none."""
-    found = re.match(r"(\d+)\.(\d+)", str(version))
-    return tuple(map(int, found.groups())) if found else None
-
-
-def torch_problem(version):
-    """The one-line error for a torch version older than MIN_TORCH, or None."""
-    if (torch_release(version) or MIN_TORCH) < MIN_TORCH:
-        return f"error: this code needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]} (found {version}): pip install -U torch"
-    return None
-
-
-# Every script imports this module before torch's newer modules: an older torch stops here, in
-# one line, not in an ImportError's traceback.
-if torch_problem(torch.__version__):
-    sys.exit(torch_problem(torch.__version__))
-
 
 def compiled(fn, mode):
     """torch.compile(fn) in mode, one of train_gpt2.py's --compile_mode values ("default": torch's own)."""

@@ -16,7 +16,6 @@ import tempfile
 from functools import lru_cache
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from safetensors import SafetensorError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel

@@ -21,7 +21,6 @@ import sys
 import urllib.request
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.nn import functional as F
 
 from atomic import atomic_open

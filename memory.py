@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from devices import device_memory
-from cli import preset_names, preset_path, read_config
+from cli import check_torch, preset_names, preset_path, read_config
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
 
@@ -172,4 +172,5 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
 
 
 if __name__ == "__main__":
+    check_torch()
     print(presets_table())

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel

@@ -15,7 +15,6 @@ import sys
 from dataclasses import asdict
 
 import torch
-import devices  # noqa: F401  first: a torch older than devices.MIN_TORCH stops there, in one line
 
 from atomic import atomic_open
 from cli import Parser, UnreadableFile, read_lines, read_text

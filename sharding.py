@@ -10,11 +10,11 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+import devices
 from model import GPT
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-import devices  # first: a torch older than devices.MIN_TORCH stops there, in one line
 import torch.distributed as dist
 from torch.nn.attention import SDPBackend
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+import devices
 import distributed
 import hellaswag
 import logdir

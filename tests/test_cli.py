@@ -3,10 +3,13 @@ and checked against the flags, each problem one line naming the file and the key
 import argparse
 import os
 import re
+import subprocess
 import sys
 
 import pytest
+import torch
 
+import cli
 import train_gpt2
 from cli import MAX_CONFIG_BYTES, preset_names
 from helpers import REPO, error_of, exit_message, one_line_error, run_bounded
@@ -208,3 +211,45 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, 
     assert re.fullmatch(r"job: 4/10 ex \(40%\), [\d.,]+ ex/s, \d\d:\d\d left", lines[0]), lines
     assert re.fullmatch(r"job: 10/10 ex \(100%\), [\d.,]+ ex/s, loss=1.5", lines[1]), lines
     assert len(lines) == 3 and lines[2] == lines[1].replace(lines[1].split(", ")[1], lines[2].split(", ")[1])
+
+
+TOO_OLD = "error: this code needs torch>=2.9 (found {}): pip install -U torch"
+# The scripts that use torch; each must stop on an old torch before it reads a flag.
+SCRIPTS = ["train_gpt2.py", "bench.py", "checkpoint.py", "export_hf.py", "hellaswag.py", "memory.py", "sample.py"]
+# Run as `python -c` with the script's arguments: torch as found, then its version made older.
+OLD_TORCH = """
+import runpy, sys
+import torch
+torch.__version__ = "2.8.0+cu128"
+sys.path.insert(0, {repo!r})
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.8.0+cu128", "2.7.1", "2.4.1", "1.13.1", "2.0.0a0+git1234"])
+def test_a_torch_older_than_the_minimum_is_named_in_one_line(version):
+    assert cli.torch_problem(version) == TOO_OLD.format(version)
+
+
+@pytest.mark.parametrize("version", ["2.9.0", "2.9.0a0+git1234", "2.11.0+cu130", "2.13.0+cpu", "3.0.0", "unknown"])
+def test_the_minimum_and_later_pass(version):
+    assert cli.torch_problem(version) is None
+
+
+def test_this_torch_passes_and_requirements_txt_asks_for_the_minimum():
+    assert cli.torch_problem(torch.__version__) is None
+    with open(os.path.join(REPO, "requirements.txt")) as f:
+        minimum = re.search(r"^torch>=(\d+)\.(\d+)\s", f.read(), re.M)
+    assert tuple(map(int, minimum.groups())) == cli.MIN_TORCH
+
+
+@pytest.mark.slow
+def test_every_script_stops_on_an_old_torch_with_one_line_and_exit_code_1():
+    """In one process per script, torch.__version__ set to 2.8 before the script runs: exit code 1,
+    the one line on stderr and nothing else (no traceback), before any argument is read: not
+    even --help's text reaches stdout."""
+    for script in SCRIPTS:
+        result = subprocess.run([sys.executable, "-c", OLD_TORCH.format(repo=REPO), os.path.join(REPO, script), "--help"],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert (script, result.returncode, result.stdout, result.stderr) == \
+            (script, 1, "", TOO_OLD.format("2.8.0+cu128") + "\n")

@@ -1,7 +1,5 @@
-"""devices.py: the device each process takes, the dtype --dtype auto picks, the peak FLOPS that
-MFU is measured against, and the torch version check every script meets at import."""
-import os
-import re
+"""devices.py: the device each process takes, the dtype --dtype auto picks, and the peak FLOPS
+that MFU is measured against."""
 import subprocess
 import sys
 
@@ -42,54 +40,6 @@ def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         assert peak_flops("cuda:0") == peak, name
     assert peak_flops("cpu") is None
-
-
-TOO_OLD = "error: this code needs torch>=2.9 (found {}): pip install -U torch"
-# The scripts that use torch; each must stop on an old torch before it imports anything newer.
-SCRIPTS = ["train_gpt2.py", "bench.py", "checkpoint.py", "export_hf.py", "hellaswag.py", "memory.py", "sample.py"]
-# Run as `python -c` with the script's arguments: torch as found, then its version made older;
-# it names on stdout those of torch's newer modules (and transformers) imported before the stop.
-OLD_TORCH = """
-import runpy, sys
-import torch
-torch.__version__ = "2.8.0+cu128"
-sys.path.insert(0, {repo!r})
-try:
-    runpy.run_path(sys.argv[1], run_name="__main__")
-finally:
-    newer = [m for m in ("torch.distributed.tensor", "torch.distributed.fsdp", "transformers") if m in sys.modules]
-    if newer:
-        print("imported before the stop:", *newer)
-"""
-
-
-@pytest.mark.parametrize("version", ["2.8.0", "2.8.0+cu128", "2.7.1", "2.4.1", "1.13.1", "2.0.0a0+git1234"])
-def test_a_torch_older_than_the_minimum_is_named_in_one_line(version):
-    assert devices.torch_problem(version) == TOO_OLD.format(version)
-
-
-@pytest.mark.parametrize("version", ["2.9.0", "2.9.0a0+git1234", "2.11.0+cu130", "2.13.0+cpu", "3.0.0", "unknown"])
-def test_the_minimum_and_later_pass(version):
-    assert devices.torch_problem(version) is None
-
-
-def test_this_torch_passes_and_requirements_txt_asks_for_the_minimum():
-    assert devices.torch_problem(torch.__version__) is None
-    with open(os.path.join(REPO, "requirements.txt")) as f:
-        minimum = re.search(r"^torch>=(\d+)\.(\d+)\s", f.read(), re.M)
-    assert tuple(map(int, minimum.groups())) == devices.MIN_TORCH
-
-
-@pytest.mark.slow
-def test_every_script_stops_on_an_old_torch_with_one_line_and_exit_code_1():
-    """In one process per script, torch.__version__ set to 2.8 before the script runs: exit code 1,
-    the one line on stderr and nothing else (no traceback), before any argument is read and
-    before torch's newer modules are imported."""
-    for script in SCRIPTS:
-        result = subprocess.run([sys.executable, "-c", OLD_TORCH.format(repo=REPO), os.path.join(REPO, script), "--help"],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert (script, result.returncode, result.stdout, result.stderr) == \
-            (script, 1, "", TOO_OLD.format("2.8.0+cu128") + "\n")
 
 
 def test_allow_tf32_sets_high_precision_and_warns_nothing():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import loading
-import devices
 import logdir
 import train_gpt2
 from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, disk_full, error_of, file_size_limit,
@@ -238,7 +238,7 @@ PREEMPTED = ["train_gpt2.py", *TINY, "-B", "1", "--total_batch_size", str(1200 *
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(devices.torch_release(torch.__version__) < (2, 12), reason="torchrun's --shutdown-timeout: torch 2.12")
+@pytest.mark.skipif(cli.torch_release(torch.__version__) < (2, 12), reason="torchrun's --shutdown-timeout: torch 2.12")
 def test_preemption_through_torchrun_checkpoints_within_its_grace_period(shards, tmp_path):
     """SLURM and Kubernetes send SIGTERM to torchrun, which forwards it to the workers and SIGKILLs
     them after a grace period (--shutdown-timeout: 30 s by default, 1 s here) that a step may
