@@ -48,7 +48,7 @@ from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from train_gpt2 import ATTENTION_KERNELS, build_parser as trainer_parser, build_trainable, train_step
+from train_gpt2 import ATTENTION_KERNELS, StepConfig, build_parser as trainer_parser, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -398,9 +398,9 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     # Inductor reads its settings when it compiles, on the first step: set for the whole run.
     with torch._inductor.config.patch(levers["inductor"]):
         try:
-            trainable = build_trainable(model, device, dtype, grad_accum_steps,
-                                        OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                                        compile_mode=levers["compile"], chunked_loss=levers["chunked_loss"])
+            step = StepConfig(dtype, grad_accum_steps, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
+                              compile_mode=levers["compile"], chunked_loss=levers["chunked_loss"])
+            trainable = build_trainable(model, device, step)
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
         except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
             return {"out_of_memory": True}

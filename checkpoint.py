@@ -89,13 +89,14 @@ def save_checkpoint(path, state):
     return True
 
 
-def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, args):
-    """Everything an exact resume needs, as tensors and plain Python values."""
+def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, flags):
+    """Everything an exact resume needs, as tensors and plain Python values; flags: the run's
+    flags by name (TrainConfig.flags()), kept as its record."""
     return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            **train_state(raw_model, scaler, step, train_loader, args)}
+            **train_state(raw_model, scaler, step, train_loader, flags)}
 
 
-def train_state(raw_model, scaler, step, train_loader, args):
+def train_state(raw_model, scaler, step, train_loader, flags):
     """All of checkpoint_contents but the model's and the optimizer's tensors: what train_state.pt holds."""
     return {
         "scaler": scaler.state_dict(),
@@ -104,7 +105,7 @@ def train_state(raw_model, scaler, step, train_loader, args):
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         "config": asdict(raw_model.config),
-        "args": vars(args),
+        "args": flags,
     }
 
 
@@ -481,23 +482,23 @@ class Checkpointer:
         """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
         return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
 
-    def save(self, step, trainable, train_loader, args):
+    def save(self, step, trainable, train_loader, flags):
         """Saves trainable and the loader at step, on every rank at once: a refusal (weights
         that are not finite) then stops every rank, none left waiting at the next collective."""
         local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
         finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
         if self.sharded:
-            self._save_dcp(step, trainable, train_loader, args)
+            self._save_dcp(step, trainable, train_loader, flags)
         elif self.rank == 0:
             path = checkpoint_path(self.log_dir, step)
             state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
-                                        args)
+                                        flags)
             if save_checkpoint(path, state):
                 prune_checkpoints(self.log_dir, self.keep_last)
                 self.log(f"saved {path}")
 
-    def _save_dcp(self, step, trainable, train_loader, args):
+    def _save_dcp(self, step, trainable, train_loader, flags):
         self.wait()  # one checkpoint at a time
         path = checkpoint_path(self.log_dir, step, sharded=True)
         state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
@@ -505,7 +506,7 @@ class Checkpointer:
         if short:
             print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
             return
-        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, args)
+        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags)
         try:
             future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it

@@ -101,28 +101,29 @@ class MetricsLog:
                 mirror(record)
 
 
-def log_mirrors(args, enabled):
+def log_mirrors(cfg, enabled):
     """Callables that copy each log record to wandb and/or TensorBoard, imported only when asked for
-    (on every rank, so that a missing package stops them all), made only where enabled (rank 0)."""
+    (on every rank, so that a missing package stops them all), made only where enabled (rank 0);
+    cfg: the run's TrainConfig."""
     mirrors = []
-    if args.wandb:
+    if cfg.runtime.wandb:
         try:
             import wandb
         except ImportError:
             raise RunError("--wandb needs the wandb package: pip install wandb") from None
-    if args.tensorboard:
+    if cfg.runtime.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise RunError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     if not enabled:
         return mirrors
-    if args.wandb:
-        wandb_run = wandb.init(project=args.wandb_project, name=os.path.basename(os.path.abspath(args.log_dir)),
-                         dir=args.log_dir, config=vars(args))
+    if cfg.runtime.wandb:
+        wandb_run = wandb.init(project=cfg.runtime.wandb_project, name=os.path.basename(os.path.abspath(cfg.log_dir)),
+                         dir=cfg.log_dir, config=cfg.flags())
         mirrors.append(lambda r: wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"]))
-    if args.tensorboard:
-        writer = SummaryWriter(os.path.join(args.log_dir, "tensorboard"))
+    if cfg.runtime.tensorboard:
+        writer = SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
 
         def to_tensorboard(record):
             for key, value in record.items():

@@ -15,6 +15,7 @@ from devices import device_memory
 from cli import check_torch, preset_names, preset_path, read_config
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
+from train_config import ScaleConfig
 
 GiB = 2**30
 
@@ -99,13 +100,14 @@ def head_gradient_bytes(config):
     return 4 * config.vocab_size * config.n_embd
 
 
-def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", every=1, dtype_bytes=2,
-         chunked_loss=False, optimizer="adamw"):
-    """The memory one GPU needs for a training step, split as Plan's fields. ValueError for sizes
-    whose total is past a float's range: no figure in GiB can be printed for them."""
+def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=2, optimizer="adamw"):
+    """The memory one GPU needs for a training step of a GPT of config, batch sequences of seq_len
+    a micro-step, with scale's levers (FSDP over world_size ranks, recompute, the chunked loss),
+    split as Plan's fields. ValueError for sizes whose total is past a float's range: no figure in
+    GiB can be printed for them."""
     P = n_params(config)
     state = optimizer_bytes(config, optimizer)
-    if fsdp:
+    if scale.fsdp:
         # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
         # one and the next, prefetched) and the root (embeddings), with their float32 gradients.
         root = (config.vocab_size + config.block_size) * config.n_embd + 2 * config.n_embd
@@ -116,8 +118,8 @@ def plan(config, batch, seq_len, world_size=1, fsdp=False, recompute="none", eve
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
-                    activation_bytes(config, batch, seq_len, recompute, every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, chunked_loss, dtype_bytes))
+                    activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
+                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -128,7 +130,7 @@ def fit_problem(config, device, world_size=1, fsdp=False):
     alone (16 bytes a parameter, over the ranks under FSDP) exceed the device's memory. Asked before
     allocating: a typo in a size would otherwise be an out-of-memory crash or hours of swapping."""
     try:
-        estimate = plan(config, 1, 1, world_size, fsdp, dtype_bytes=4)
+        estimate = plan(config, 1, 1, ScaleConfig(fsdp=fsdp), world_size, dtype_bytes=4)
     except ValueError as e:  # past a float's range: past any device too
         return str(e)
     need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
@@ -138,11 +140,11 @@ def fit_problem(config, device, world_size=1, fsdp=False):
             f"gradients and AdamW state; {device} has {have / GiB:,.0f} GiB")
 
 
-def largest_batch(config, gib, **kw):
+def largest_batch(config, gib, scale, world_size=1):
     """The largest micro-batch of 1024 positions whose plan fits in 90% of gib (the rest: CUDA's
     context and the allocator's fragmentation), or 0."""
     batch = 0
-    while batch < 512 and plan(config, batch + 1, 1024, **kw).total <= 0.9 * gib * GiB:
+    while batch < 512 and plan(config, batch + 1, 1024, scale, world_size).total <= 0.9 * gib * GiB:
         batch += 1
     return batch
 
@@ -158,15 +160,16 @@ def preset_model(name):
 def presets_table(gpus=(24, 40, 80), world_size=8):
     """Markdown: for each preset, the largest micro-batch per GPU under DDP and FSDP, without and
     with full recompute, in bfloat16, with the preset's loss (chunked from gpt2-large on)."""
-    ways = [("DDP", dict()), ("DDP, recompute full", dict(recompute="full")),
-            (f"FSDP ×{world_size}", dict(fsdp=True, world_size=world_size)),
-            (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, world_size=world_size, recompute="full"))]
-    lines = ["| model | params | GPU | " + " | ".join(name for name, _ in ways) + " |",
+    ways = [("DDP", dict(), 1), ("DDP, recompute full", dict(recompute="full"), 1),
+            (f"FSDP ×{world_size}", dict(fsdp=True), world_size),
+            (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, recompute="full"), world_size)]
+    lines = ["| model | params | GPU | " + " | ".join(name for name, _, _ in ways) + " |",
              "|---" * (3 + len(ways)) + "|"]
     presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
     for name, (config, chunked_loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
         for gib in gpus:
-            batches = [largest_batch(config, gib, chunked_loss=chunked_loss, **kw) or "—" for _, kw in ways]
+            batches = [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
+                       for _, levers, ranks in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)
 

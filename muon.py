@@ -15,7 +15,7 @@ DTensor ops, which DTensor carries out across the ranks, so 2 ranks step as one 
 The trainer then has sharding.py shard c_attn by columns, so that its q, k and v row blocks are
 views of each rank's shard.
 
-The schedule: train_step sets each group's lr to get_lr(step), times the group's "lr_scale" where
+The schedule: train_step sets each group's lr to the schedule's lr(step), times the group's "lr_scale" where
 it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with
 AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly as without Muon.
 """

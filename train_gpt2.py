@@ -7,13 +7,12 @@
 The defaults are the GPT-2 (124M) reproduction: 524,288-token batches, AdamW at 6e-4
 with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B tokens).
 """
-import argparse
 import math
 import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -38,9 +37,10 @@ from distributed import RunError, every_rank, on_every_rank
 from faults import Faults, parse_fault
 from loading import load_model
 from logdir import MetricsLog
-from model import GPT, GPTConfig, RECOMPUTE
+from model import GPT, RECOMPUTE
 from muon import MUON_LR, MUON_MOMENTUM, MUON_WEIGHT_DECAY, OPTIMIZERS, OptimizerConfig, build_optimizer
 from tokenizer import PADDED_VOCAB, get_encoding
+from train_config import TrainConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
@@ -158,6 +158,7 @@ def add_runtime_flags(a):
 
 
 def parse_args(argv=None):
+    """The run's TrainConfig, from the flags, over --config's values, over the preset's."""
     # A preset's and a config's values become defaults, so flags given on the command line still
     # win, and --help shows them. They are named first, to a parser that leaves --help for later.
     named = build_parser(add_help=False).parse_known_args(argv)[0]
@@ -175,52 +176,55 @@ def parse_args(argv=None):
             parser.error(f"--{action.dest} must be a finite number, not {getattr(args, action.dest)}")
     if args.plan_world_size is not None and args.plan_world_size < 1:  # 0 would read as torchrun's, or 1
         parser.error(f"--plan_world_size must be positive, not {args.plan_world_size}")
-    if args.decay_steps is None:
-        args.decay_steps = args.max_steps
-    return args
+    try:
+        return TrainConfig.from_flags(vars(args))
+    except ValueError as e:  # model sizes no GPT can have: GPTConfig's own check
+        parser.error(f"--{e}")
 
 
-def check_args(args, world_size):
+def check_config(cfg, world_size):
     """Raises RunError for any combination that cannot train, before anything is built."""
     def need(ok, message):
         if not ok:
             raise RunError(message)
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size", "seq_len",
-                 "total_batch_size", "val_steps", "max_bad_steps"):
-        need(getattr(args, name) > 0, f"--{name} must be positive, not {getattr(args, name)}")
+    flags = cfg.flags()
+    for name in ("micro_batch_size", "seq_len", "total_batch_size", "val_steps", "max_bad_steps"):
+        need(flags[name] > 0, f"--{name} must be positive, not {flags[name]}")
     for name in ("max_steps", "warmup_steps", "eval_interval", "sample_interval", "checkpoint_interval", "keep_last",
                  "hellaswag_limit", "grad_clip", "weight_decay"):
-        need(getattr(args, name) >= 0, f"--{name} must not be negative, not {getattr(args, name)}")
-    need(args.max_steps or args.eval_interval, "--max_steps 0 only evaluates: it needs --eval_interval above 0")
-    need(args.max_lr > 0 and 0 <= args.min_lr_ratio <= 1, "--max_lr must be positive and --min_lr_ratio in [0, 1]")
-    if args.optimizer == "muon":
-        need(args.muon_lr > 0 and 0 <= args.muon_momentum < 1 and args.muon_weight_decay >= 0,
+        need(flags[name] >= 0, f"--{name} must not be negative, not {flags[name]}")
+    schedule, optimizer, batch = cfg.schedule, cfg.optimizer, cfg.batch
+    need(schedule.max_steps or cfg.eval.eval_interval, "--max_steps 0 only evaluates: it needs --eval_interval above 0")
+    need(schedule.max_lr > 0 and 0 <= schedule.min_lr_ratio <= 1, "--max_lr must be positive and --min_lr_ratio in [0, 1]")
+    if optimizer.name == "muon":
+        need(optimizer.muon_lr > 0 and 0 <= optimizer.muon_momentum < 1 and optimizer.muon_weight_decay >= 0,
              "--muon_lr must be positive, --muon_momentum in [0, 1) and --muon_weight_decay not negative")
-    need(args.n_embd % args.n_head == 0, f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
-    need(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), numpy's range, not {args.seed}")
-    need(args.recompute_every > 0, f"--recompute_every must be positive, not {args.recompute_every}")
-    need(args.seq_len <= args.block_size, f"--seq_len {args.seq_len} is longer than --block_size {args.block_size}")
-    tokens_per_pass = args.micro_batch_size * args.seq_len * world_size
-    if args.total_batch_size % tokens_per_pass:
+    need(0 <= cfg.runtime.seed < 2**32, f"--seed must be in [0, 2**32), numpy's range, not {cfg.runtime.seed}")
+    need(cfg.scale.recompute_every > 0, f"--recompute_every must be positive, not {cfg.scale.recompute_every}")
+    need(batch.seq_len <= cfg.model.block_size,
+         f"--seq_len {batch.seq_len} is longer than --block_size {cfg.model.block_size}")
+    tokens_per_pass = batch.micro_batch_size * batch.seq_len * world_size
+    if batch.total_batch_size % tokens_per_pass:
         # Rounded as a fraction, not a float: a float overflows at absurd sizes.
-        suggestion = max(1, round(Fraction(args.total_batch_size, tokens_per_pass))) * tokens_per_pass
-        raise RunError(f"--total_batch_size {args.total_batch_size} is not a multiple of B*T*world_size = "
-                       f"{args.micro_batch_size}*{args.seq_len}*{world_size} = {tokens_per_pass}; "
+        suggestion = max(1, round(Fraction(batch.total_batch_size, tokens_per_pass))) * tokens_per_pass
+        raise RunError(f"--total_batch_size {batch.total_batch_size} is not a multiple of B*T*world_size = "
+                       f"{batch.micro_batch_size}*{batch.seq_len}*{world_size} = {tokens_per_pass}; "
                        f"try --total_batch_size {suggestion} or another -B")
 
 
-def get_lr(step, args):
-    """Linear warmup to max_lr, cosine decay to min_lr at decay_steps, then flat."""
-    max_lr, min_lr = args.max_lr, args.max_lr * args.min_lr_ratio
-    if step < args.warmup_steps:
-        return max_lr * (step + 1) / args.warmup_steps
-    if step >= args.decay_steps:
-        return min_lr
-    progress = (step - args.warmup_steps) / (args.decay_steps - args.warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
-
-
 # ----------------------------------------------------------------------------- the step
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How build_trainable builds a Trainable and how its steps run, settled for one device."""
+    dtype: torch.dtype  # autocast's; float32 is none
+    grad_accum_steps: int
+    optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW
+    grad_clip: float = 1.0  # 0: no clipping
+    compile_mode: str | None = None  # None: eager
+    fsdp: bool = False
+    chunked_loss: bool = False  # the loss by model.LinearCrossEntropy: no whole logits tensor
+
 
 @dataclass
 class Trainable:
@@ -316,17 +320,17 @@ def to_device(batch, device):
     return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
 
 
-def build_trainable(raw_model, device, dtype, grad_accum_steps, optim=OptimizerConfig(), grad_clip=1.0,
-                    compile_mode=None, fsdp=False, init=None, chunked_loss=False):
-    """The Trainable of a GPT: on device, DDP-wrapped across ranks, then compiled in compile_mode
-    (None: eager); compiling the DDP wrapper, not the model inside it, lets dynamo cut the graph at
-    DDP's buckets, so the all-reduce of one bucket overlaps the backward of the rest. Or, with fsdp,
-    sharded over the ranks (see sharding.py), and built on the meta device when init is its
-    recorded initialisation. Then the optimizer that optim (a muon.OptimizerConfig, the recipe's
-    AdamW by default) describes, over the parameters or their shards (muon.build_optimizer). How
-    the model runs (recompute, attention) is its own: see model_options."""
-    if fsdp:
-        model = sharding.apply_fsdp(raw_model, dtype, compile_mode, qkv_by_columns=optim.name == "muon")
+def build_trainable(raw_model, device, config, init=None):
+    """The Trainable of a GPT, as config (a StepConfig) says: on device, DDP-wrapped across ranks,
+    then compiled in config.compile_mode; compiling the DDP wrapper, not the model inside it, lets
+    dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket overlaps the backward of
+    the rest. Or, with config.fsdp, sharded over the ranks (see sharding.py), and built on the meta
+    device when init is its recorded initialisation. Then config.optimizer over the parameters or
+    their FSDP slices (muon.build_optimizer). How the model runs (recompute, attention) is its
+    own: see model_options."""
+    dtype = config.dtype
+    if config.fsdp:
+        model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
         if init is not None:
             sharding.materialize(raw_model, init, device)
     else:
@@ -335,48 +339,50 @@ def build_trainable(raw_model, device, dtype, grad_accum_steps, optim=OptimizerC
             # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
             model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
                         gradient_as_bucket_view=True)
-        if compile_mode is not None:
-            model = devices.compiled(model, compile_mode)
-    optimizer = build_optimizer(raw_model, optim, device.split(":")[0])
-    # Under FSDP a shard may hold an overflow that the others lack: the sharded scaler agrees on it.
-    scaler = (ShardedGradScaler if fsdp else torch.amp.GradScaler)(device.split(":")[0], enabled=dtype == torch.float16)
-    return Trainable(model, raw_model, optimizer, scaler, device, dtype, grad_accum_steps, grad_clip, chunked_loss)
+        if config.compile_mode is not None:
+            model = devices.compiled(model, config.compile_mode)
+    optimizer = build_optimizer(raw_model, config.optimizer, device.split(":")[0])
+    # Under FSDP a rank's slice may hold an overflow that the others lack: the sharded scaler agrees on it.
+    scaler = (ShardedGradScaler if config.fsdp else torch.amp.GradScaler)(device.split(":")[0],
+                                                                         enabled=dtype == torch.float16)
+    return Trainable(model, raw_model, optimizer, scaler, device, dtype, config.grad_accum_steps, config.grad_clip,
+                     config.chunked_loss)
 
 
 # ----------------------------------------------------------------------------- the run
 
-def train(args):
+def train(cfg):
     t_start = time.perf_counter()
-    run = setup(args)
-    args, trainable, log = run.args, run.trainable, run.log
-    faults = Faults(args.fault, run.rank, trainable.raw_model)
+    run = setup(cfg)
+    cfg, trainable, log = run.cfg, run.trainable, run.log
+    faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model)
     bad_steps = 0  # non-finite steps in a row
     val_loss = None
     with distributed.StopSignal() as stop:
         step = run.start_step
         while True:
-            last_step = step >= args.max_steps
+            last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, trainable, run.train_loader, args)
-            if args.eval_interval and (step % args.eval_interval == 0 or last_step):
+                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+            if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
-            if args.sample_interval and (step % args.sample_interval == 0 or last_step) and step > 0:
+            if cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
                 break
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(trainable, run.train_loader, get_lr(step, args), stop.requested)
+            result = train_step(trainable, run.train_loader, cfg.schedule.lr(step), stop.requested)
             if result is None:
-                run.checkpointer.save(step, trainable, run.train_loader, args)
+                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
-            if bad_steps >= args.max_bad_steps:
+            if bad_steps >= cfg.runtime.max_bad_steps:
                 raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
-                               f"the newest checkpoint in {args.log_dir} predates them: lower --max_lr or check the data")
+                               f"the newest checkpoint in {cfg.log_dir} predates them: lower --max_lr or check the data")
             step += 1
     run.checkpointer.wait()
     if dist.is_initialized():
@@ -385,21 +391,21 @@ def train(args):
         dist.barrier()
     if run.log_dir_lock:
         run.log_dir_lock.close()
-    newest = list_checkpoints(args.log_dir)[-1:] if run.rank == 0 else []
-    log(f"done: step {step} of {args.max_steps}, {step * args.total_batch_size:,} tokens, "
+    newest = list_checkpoints(cfg.log_dir)[-1:] if run.rank == 0 else []
+    log(f"done: step {step} of {cfg.schedule.max_steps}, {step * cfg.batch.total_batch_size:,} tokens, "
         f"{tqdm.format_interval(time.perf_counter() - t_start)} wall time, final val loss "
         f"{'none' if val_loss is None else f'{val_loss:.4f}'}, last checkpoint {newest[0] if newest else 'none'}")
     return trainable.raw_model
 
 
 def log_step(run, step, result, seconds, bad_steps):
-    tokens = step * run.args.total_batch_size
+    tokens = step * run.cfg.batch.total_batch_size
     if result.skipped:
         run.log(f"step {step:5d} | skipped: non-finite loss {result.loss} or grad norm {result.grad_norm} "
                 f"({bad_steps} in a row)")
         run.metrics.write(step=step, tokens=tokens, skipped_step=True, bad_steps=bad_steps)
         return
-    tokens_per_sec = run.args.total_batch_size / seconds
+    tokens_per_sec = run.cfg.batch.total_batch_size / seconds
     mfu = f" | mfu {100 * run.flops_per_step / seconds / run.peak_flops:.1f}%" if run.peak_flops else ""
     mem = f" | mem {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f}GiB" if run.device.startswith("cuda") else ""
     muon = {} if result.muon_lr is None else {"muon_lr": result.muon_lr}
@@ -412,10 +418,10 @@ def log_step(run, step, result, seconds, bad_steps):
 
 def evaluate(run, step):
     """Val loss and HellaSwag, on every rank, logged by rank 0; returns the val loss, None without val shards."""
-    tokens = step * run.args.total_batch_size
+    tokens = step * run.cfg.batch.total_batch_size
     val_loss = None
     if run.val_loader is not None:
-        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.args.val_steps)
+        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.cfg.eval.val_steps)
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
         run.metrics.write(step=step, tokens=tokens, val_loss=val_loss)
     if run.hellaswag_examples:
@@ -428,10 +434,10 @@ def evaluate(run, step):
 def write_samples(run, step):
     """Samples, logged by rank 0. Under FSDP every forward gathers weights from every rank: all
     ranks sample alike (the same seed), and rank 0 logs."""
-    if run.rank == 0 or run.args.fsdp:
-        texts = sample_texts(run.trainable, seed=run.args.seed + step)
+    if run.rank == 0 or run.cfg.scale.fsdp:
+        texts = sample_texts(run.trainable, seed=run.cfg.runtime.seed + step)
         run.log("\n".join(f"sample {i}: {text}" for i, text in enumerate(texts)))
-        run.metrics.write(step=step, tokens=step * run.args.total_batch_size, samples=texts)
+        run.metrics.write(step=step, tokens=step * run.cfg.batch.total_batch_size, samples=texts)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -439,7 +445,7 @@ def write_samples(run, step):
 @dataclass
 class Run:
     """Everything setup() builds for the loop."""
-    args: argparse.Namespace
+    cfg: TrainConfig  # as setup settled it (settle_evaluation)
     rank: int
     world_size: int
     device: str
@@ -456,47 +462,56 @@ class Run:
     log_dir_lock: object  # on rank 0, the open file whose lock keeps other runs out of log_dir
 
 
-def setup(args):
+def setup(cfg):
     """Processes, log_dir, data, model and optimizer, and the state to resume from, in that order."""
-    rank, local_rank, world_size, device = distributed.init(args.device)
+    rank, local_rank, world_size, device = distributed.init(cfg.runtime.device)
     log = print_on_rank_0(rank)
-    check_args(args, world_size)
-    if args.init_from == "scratch":
-        on_every_rank(check_fits, args, device, world_size)
-    grad_accum_steps = args.total_batch_size // (args.micro_batch_size * args.seq_len * world_size)
-    log(f"world size {world_size}, device {device}, {grad_accum_steps} micro-steps of "
-        f"{args.micro_batch_size}x{args.seq_len} tokens per step of {args.total_batch_size}")
-    torch.manual_seed(args.seed)
+    check_config(cfg, world_size)
+    if cfg.init_from == "scratch":
+        on_every_rank(check_fits, cfg, device, world_size)
+    batch = cfg.batch
+    log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
+        f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    torch.manual_seed(cfg.runtime.seed)
     devices.allow_tf32()
-    log_dir_lock, mirrors = prepare_log_dir(args, rank, log)
-    raw_model, init = build_model(args, device, log)
-    if args.seq_len > raw_model.config.block_size:
-        raise RunError(f"--seq_len {args.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
-    on_every_rank(ensure_demo_shards, args, rank, log)
-    train_loader, val_loader = build_loaders(args, rank, world_size, raw_model.config.vocab_size, log)
-    hellaswag_examples = load_hellaswag(args, local_rank, raw_model.config, log)
-    compile_mode = args.compile_mode if resolve_compile(args.compile, device.split(":")[0], log) else None
-    trainable = build_trainable(raw_model, device, pick_dtype(args.dtype, device.split(":")[0]), grad_accum_steps,
-                                optimizer_config(args), args.grad_clip, compile_mode, fsdp=bool(args.fsdp), init=init,
-                                chunked_loss=bool(args.chunked_loss))
-    if args.optimizer == "muon":
-        n_muon = sum(p.numel() for group in trainable.optimizer.muon.param_groups for p in group["params"])
-        log(f"optimizer: Muon (peak lr {args.muon_lr}, momentum {args.muon_momentum}, weight decay "
-            f"{args.muon_weight_decay}) on {4 * raw_model.config.n_layer} matrices ({n_muon:,} parameters), "
-            f"AdamW (peak lr {args.max_lr}) on the rest")
-    checkpointer = Checkpointer(args.log_dir, args.checkpoint_interval, args.keep_last, sharded=bool(args.fsdp),
-                                async_save=args.async_checkpoint, log=log)
-    start_step = checkpointer.restore(args.resume, trainable, train_loader, args.max_steps)
+    log_dir_lock, mirrors = prepare_log_dir(cfg, rank, log)
+    raw_model, init = build_model(cfg, device, log)
+    if batch.seq_len > raw_model.config.block_size:
+        raise RunError(f"--seq_len {batch.seq_len} is longer than the model's block_size {raw_model.config.block_size}")
+    on_every_rank(ensure_demo_shards, cfg, rank, log)
+    train_loader, val_loader = build_loaders(cfg, rank, world_size, raw_model.config.vocab_size)
+    cfg = settle_evaluation(cfg, val_loader, raw_model.config.vocab_size, log)
+    hellaswag_examples = load_hellaswag(cfg, local_rank, raw_model.config, log)
+    trainable = build_trainable(raw_model, device, step_config(cfg, device, world_size, log), init=init)
+    if cfg.optimizer.name == "muon":
+        log_muon(cfg.optimizer, trainable.optimizer, log)
+    saving = cfg.checkpoints
+    checkpointer = Checkpointer(cfg.log_dir, saving.checkpoint_interval, saving.keep_last, sharded=bool(cfg.scale.fsdp),
+                                async_save=saving.async_checkpoint, log=log)
+    start_step = checkpointer.restore(cfg.checkpoints.resume, trainable, train_loader, cfg.schedule.max_steps)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
-    keep_before = None if start_step >= args.max_steps else start_step
-    metrics = on_every_rank(MetricsLog, args.log_dir, keep_before, rank == 0, mirrors)
-    if args.sample_interval and gpt2_vocab_problem(raw_model.config.vocab_size):
-        log(f"note: no samples: {gpt2_vocab_problem(raw_model.config.vocab_size)}")
-        args.sample_interval = 0
+    keep_before = None if start_step >= cfg.schedule.max_steps else start_step
+    metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, rank == 0, mirrors)
     peak = peak_flops(device)
-    return Run(args, rank, world_size, device, log, trainable, train_loader, val_loader, hellaswag_examples, start_step,
-               metrics, checkpointer, raw_model.flops_per_token(args.seq_len) * args.total_batch_size,
+    return Run(cfg, rank, world_size, device, log, trainable, train_loader, val_loader, hellaswag_examples, start_step,
+               metrics, checkpointer, raw_model.flops_per_token(batch.seq_len) * batch.total_batch_size,
                peak * world_size if peak else None, log_dir_lock)
+
+
+def step_config(cfg, device, world_size, log):
+    """The run's StepConfig on device: its flags' dtype and compile settled for it."""
+    device_type = device.split(":")[0]
+    compile_mode = cfg.runtime.compile_mode if resolve_compile(cfg.runtime.compile, device_type, log) else None
+    return StepConfig(pick_dtype(cfg.runtime.dtype, device_type), cfg.batch.grad_accum_steps(world_size),
+                      cfg.optimizer, cfg.grad_clip, compile_mode, fsdp=bool(cfg.scale.fsdp),
+                      chunked_loss=bool(cfg.scale.chunked_loss))
+
+
+def log_muon(config, optimizer, log):
+    matrices = [p for group in optimizer.muon.param_groups for p in group["params"]]
+    log(f"optimizer: Muon (peak lr {config.muon_lr}, momentum {config.muon_momentum}, weight decay "
+        f"{config.muon_weight_decay}) on {len(matrices)} matrices ({sum(p.numel() for p in matrices):,} parameters), "
+        f"AdamW (peak lr {config.lr}) on the rest")
 
 
 def print_on_rank_0(rank):
@@ -506,16 +521,16 @@ def print_on_rank_0(rank):
     return log
 
 
-def prepare_log_dir(args, rank, log):
+def prepare_log_dir(cfg, rank, log):
     """Makes and claims log_dir, tidies it, and checks the flags that decide what goes in it;
     returns (the lock rank 0 holds, the log mirrors)."""
-    on_every_rank(logdir.make_log_dir, args.log_dir)
-    log_dir_lock = on_every_rank(logdir.claim_log_dir, args.log_dir, rank == 0)
-    on_every_rank(logdir.tidy_log_dir, args.log_dir, args.resume, log, rank == 0)
-    mirrors = on_every_rank(logdir.log_mirrors, args, rank == 0)
-    if args.fsdp and not dist.is_initialized():
+    on_every_rank(logdir.make_log_dir, cfg.log_dir)
+    log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, rank == 0)
+    on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, log, rank == 0)
+    mirrors = on_every_rank(logdir.log_mirrors, cfg, rank == 0)
+    if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
-    if args.async_checkpoint and not args.fsdp:
+    if cfg.checkpoints.async_checkpoint and not cfg.scale.fsdp:
         raise RunError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
     return log_dir_lock, mirrors
 
@@ -530,81 +545,91 @@ def resolve_compile(flag, device_type, log):
     return False
 
 
-def check_fits(args, device, world_size):
+def check_fits(cfg, device, world_size):
     """Refuses, before allocating, a model the device cannot hold (memory.fit_problem)."""
-    problem = memory.fit_problem(model_config(args), device, world_size, bool(args.fsdp))
+    problem = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))
     if problem:
         raise RunError(f"{problem} (see --plan)")
 
 
-def build_model(args, device, log):
+def build_model(cfg, device, log):
     """(model, init): a GPT of the model flags, randomly initialised, or the weights of anything
     load_model takes (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture
     then wins, on device. Under FSDP a random one is built on the meta device instead, to be
     materialized shard by shard from init, its recorded initialisation (see sharding.py)."""
-    options = model_options(args)
-    if args.init_from == "scratch":
-        config = model_config(args)
-        return sharding.build_on_meta(config, **options) if args.fsdp else (GPT(config, **options).to(device), None)
-    log(f"initialising from {args.init_from}")
+    options = model_options(cfg)
+    if cfg.init_from == "scratch":
+        if cfg.scale.fsdp:
+            return sharding.build_on_meta(cfg.model, **options)
+        return GPT(cfg.model, **options).to(device), None
+    log(f"initialising from {cfg.init_from}")
     try:
-        return load_model(args.init_from, **options).to(device), None
+        return load_model(cfg.init_from, **options).to(device), None
     except CheckpointError as e:
         raise RunError(f"--init_from: {e}") from None
 
 
-def ensure_demo_shards(args, rank, log):
+def ensure_demo_shards(cfg, rank, log):
     """The demo trains on Tiny Shakespeare, sharded with fineweb.py's code into the preset's own
     data_dir on first use (and completed, should that first sharding have been interrupted). Any
     other --data_dir is the user's: a missing one is build_loaders' error, not a new folder."""
-    if args.preset != "demo":
+    if cfg.preset != "demo":
         return
     own = os.path.join(HERE, read_config(preset_path("demo"))["data_dir"])
-    if os.path.realpath(args.data_dir) != os.path.realpath(own):
+    if os.path.realpath(cfg.data_dir) != os.path.realpath(own):
         return
     if rank == 0:
         import fineweb
         try:
-            summary = fineweb.shard_local_files([TINY_SHAKESPEARE], args.data_dir, prefix="shakespeare",
+            summary = fineweb.shard_local_files([TINY_SHAKESPEARE], cfg.data_dir, prefix="shakespeare",
                                                 shard_size=32768, num_proc=1)
         except (fineweb.InputError, OSError) as e:  # OSError: a shard that cannot be written
             raise RunError(str(e)) from None
         if summary["status"] != "already complete":
-            log(f"sharded {TINY_SHAKESPEARE} into {summary['shards']} shards in {args.data_dir}")
+            log(f"sharded {TINY_SHAKESPEARE} into {summary['shards']} shards in {cfg.data_dir}")
 
 
-def build_loaders(args, rank, world_size, vocab_size, log):
-    train_paths, val_paths = list_shards(args.data_dir, "train"), list_shards(args.data_dir, "val")
+def build_loaders(cfg, rank, world_size, vocab_size):
+    """(train, val) loaders of data_dir's shards, every shard checked; val is None without val shards."""
+    train_paths, val_paths = list_shards(cfg.data_dir, "train"), list_shards(cfg.data_dir, "val")
     if not train_paths:
-        raise RunError(f"no *_train_*.npy shards in {args.data_dir!r}: make them with "
-                       f"`python fineweb.py --output_dir {args.data_dir}` (or --input your files)")
-    B, T = args.micro_batch_size, args.seq_len
-    train = ShardLoader(train_paths, B, T, rank, world_size, seed=args.seed, shuffle=bool(args.shuffle),
+        raise RunError(f"no *_train_*.npy shards in {cfg.data_dir!r}: make them with "
+                       f"`python fineweb.py --output_dir {cfg.data_dir}` (or --input your files)")
+    B, T = cfg.batch.micro_batch_size, cfg.batch.seq_len
+    train = ShardLoader(train_paths, B, T, rank, world_size, seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle),
                         vocab_size=vocab_size)
-    val = None
-    if not val_paths:
-        log(f"warning: no *_val_*.npy shards in {args.data_dir}: no val loss")
-    else:
-        val = ShardLoader(val_paths, B, T, rank, world_size, shuffle=False, vocab_size=vocab_size)
-        if val.batches_per_epoch < args.val_steps:
-            log(f"warning: the val shards hold {val.batches_per_epoch} micro-batches per rank, "
-                f"fewer than --val_steps {args.val_steps}: using {val.batches_per_epoch}")
-            args.val_steps = val.batches_per_epoch
+    val = ShardLoader(val_paths, B, T, rank, world_size, shuffle=False, vocab_size=vocab_size) if val_paths else None
     for shard in train.shards + (val.shards if val else []):  # fail now, naming the shard, not hours in
-        shard.check_ids(vocab_size, full=args.check_data == "full")
+        shard.check_ids(vocab_size, full=cfg.runtime.check_data == "full")
     return train, val
 
 
-def load_hellaswag(args, local_rank, config, log):
+def settle_evaluation(cfg, val_loader, vocab_size, log):
+    """cfg with what this run can evaluate: no more val steps than the val shards hold, and no
+    samples from a vocabulary that cannot write GPT-2's token ids; each change noted."""
+    evaluation = cfg.eval
+    if val_loader is None:
+        log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
+    elif val_loader.batches_per_epoch < evaluation.val_steps:
+        log(f"warning: the val shards hold {val_loader.batches_per_epoch} micro-batches per rank, "
+            f"fewer than --val_steps {evaluation.val_steps}: using {val_loader.batches_per_epoch}")
+        evaluation = replace(evaluation, val_steps=val_loader.batches_per_epoch)
+    if evaluation.sample_interval and gpt2_vocab_problem(vocab_size):
+        log(f"note: no samples: {gpt2_vocab_problem(vocab_size)}")
+        evaluation = replace(evaluation, sample_interval=0)
+    return replace(cfg, eval=evaluation)
+
+
+def load_hellaswag(cfg, local_rank, config, log):
     """The HellaSwag examples to score at each eval, or None with a one-line note. Each eval is
     a collective, so unless every rank loaded the same number of examples, no rank scores any."""
-    if not args.hellaswag or not args.eval_interval:
+    if not cfg.eval.hellaswag or not cfg.eval.eval_interval:
         return None
     # One download per machine, not one per GPU: local rank 0 reads first, fetching the file
     # if it is not cached; the other ranks wait at the barrier, then read its copy.
     if dist.is_initialized() and local_rank != 0:
         dist.barrier()
-    examples = read_hellaswag(args, log)
+    examples = read_hellaswag(cfg.eval, log)
     if dist.is_initialized() and local_rank == 0:
         dist.barrier()
     counts = every_rank(len(examples) if examples else 0)
@@ -620,17 +645,18 @@ def load_hellaswag(args, local_rank, config, log):
     return examples
 
 
-def read_hellaswag(args, log):
-    if args.hellaswag_path is not None and not os.path.exists(args.hellaswag_path):
-        log(f"note: no HellaSwag file at {args.hellaswag_path}: skipping HellaSwag "
+def read_hellaswag(evaluation, log):
+    """The examples that evaluation (an EvalConfig) names, or None with a one-line note."""
+    if evaluation.hellaswag_path is not None and not os.path.exists(evaluation.hellaswag_path):
+        log(f"note: no HellaSwag file at {evaluation.hellaswag_path}: skipping HellaSwag "
             f"(`python hellaswag.py --download_only` fetches it to {hellaswag.cached_path('val')})")
         return None
     try:
-        examples = hellaswag.load_examples(args.hellaswag_path, local_flag="--hellaswag_path")
+        examples = hellaswag.load_examples(evaluation.hellaswag_path, local_flag="--hellaswag_path")
     except hellaswag.HellaSwagError as e:  # offline, or a damaged file: training goes on without it
         log(f"note: skipping HellaSwag: {e}")
         return None
-    return examples[: args.hellaswag_limit or None]
+    return examples[: evaluation.hellaswag_limit or None]
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -684,56 +710,43 @@ def sample_texts(trainable, seed, num_samples=4, max_new_tokens=32):
 
 # ----------------------------------------------------------------------------- bookkeeping
 
-def print_plan(args):
+def print_plan(cfg):
     """--plan: the memory per device memory.plan estimates for this run's model and settings, on
     the device and in the dtype that the run would take (a GPU this machine lacks: bfloat16)."""
-    world_size = args.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    device_type = devices.auto_device_type() if args.device == "auto" else args.device.split(":")[0]
-    if device_type == "cuda" and args.dtype == "auto" and not torch.cuda.is_available():
+    world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    device_type = devices.auto_device_type() if cfg.runtime.device == "auto" else cfg.runtime.device.split(":")[0]
+    if device_type == "cuda" and cfg.runtime.dtype == "auto" and not torch.cuda.is_available():
         dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
     else:
-        dtype = pick_dtype(args.dtype, device_type)
-    dtype_bytes = dtype.itemsize
+        dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    batch, scale = cfg.batch, cfg.scale
     try:
-        check_args(args, world_size)
-        config = model_config(args)
-        estimate = memory.plan(config, args.micro_batch_size, args.seq_len, world_size, bool(args.fsdp),
-                               args.recompute, args.recompute_every, dtype_bytes, bool(args.chunked_loss),
-                               args.optimizer)
+        check_config(cfg, world_size)
+        estimate = memory.plan(cfg.model, batch.micro_batch_size, batch.seq_len, scale, world_size, dtype.itemsize,
+                               cfg.optimizer.name)
     except (RunError, ValueError) as e:
         sys.exit(f"error: {e}")
     precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
-    print(f"{memory.n_params(config):,} parameters; {world_size} x {device_type} under {'FSDP' if args.fsdp else 'DDP'}, "
-          f"recompute {args.recompute} (every {args.recompute_every}), {precision}, micro-batch "
-          f"{args.micro_batch_size}x{args.seq_len}, chunked loss {args.chunked_loss}, optimizer {args.optimizer}; "
-          f"per {'GPU' if device_type == 'cuda' else 'device'}:")
+    print(f"{memory.n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
+          f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
+          f"micro-batch {batch.micro_batch_size}x{batch.seq_len}, chunked loss {scale.chunked_loss}, "
+          f"optimizer {cfg.optimizer.name}; per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
 
 
-def optimizer_config(args):
-    """The run's muon.OptimizerConfig, from its flags."""
-    return OptimizerConfig(args.optimizer, args.max_lr, args.weight_decay, muon_lr=args.muon_lr,
-                           muon_momentum=args.muon_momentum, muon_weight_decay=args.muon_weight_decay)
-
-
-def model_options(args):
+def model_options(cfg):
     """How the GPT runs, GPT's keyword arguments: recompute, and the attention kernels it may use."""
-    return dict(recompute=args.recompute, recompute_every=args.recompute_every,
-                attention=ATTENTION_KERNELS[args.attention])
-
-
-def model_config(args):
-    return GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
-                     n_embd=args.n_embd)
+    return dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
+                attention=ATTENTION_KERNELS[cfg.runtime.attention])
 
 
 def main(argv=None):
     """Runs train() and returns its model; a run error is one line on stderr and exit code 1."""
-    args = parse_args(argv)
-    if args.plan:
-        return print_plan(args)
+    cfg = parse_args(argv)
+    if cfg.plan:
+        return print_plan(cfg)
     try:
-        return train(args)
+        return train(cfg)
     except (RunError, CheckpointError, ShardError) as e:
         error, code = str(e), 1  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming

@@ -22,10 +22,10 @@ def write(path, text):
 
 def test_a_config_sets_defaults_that_flags_override(tmp_path):
     config = write(tmp_path / "run.toml", 'n_layer = 3\nmax_lr = 1\ndevice = "cpu"\nplan = true\nlog_dir = "x"\n')
-    args = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
-    assert (args.n_layer, args.max_lr, args.device, args.plan, args.log_dir) == (3, 1.0, "cpu", True, "y")
-    assert isinstance(args.max_lr, float)
-    assert args.n_embd == 128 and args.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
+    cfg = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
+    assert (cfg.model.n_layer, cfg.schedule.max_lr, cfg.runtime.device, cfg.plan, cfg.log_dir) == (3, 1.0, "cpu", True, "y")
+    assert isinstance(cfg.schedule.max_lr, float) and cfg.optimizer.lr == cfg.schedule.max_lr
+    assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -34,14 +34,37 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
     ("compile = 'auto'", ("auto", 1, 0, 0)),
 ])
 def test_a_switch_in_a_config_takes_tomls_true_false_1_and_0(tmp_path, text, expected):
-    args = train_gpt2.parse_args(["--config", write(tmp_path / "run.toml", text)])
-    assert (args.compile, args.hellaswag, args.fsdp, args.chunked_loss) == expected
-    assert type(args.hellaswag) is int and type(args.compile) is str
+    cfg = train_gpt2.parse_args(["--config", write(tmp_path / "run.toml", text)])
+    assert (cfg.runtime.compile, cfg.eval.hellaswag, cfg.scale.fsdp, cfg.scale.chunked_loss) == expected
+    assert type(cfg.eval.hellaswag) is int and type(cfg.runtime.compile) is str
 
 
 def test_every_preset_is_a_valid_config():
     for name in preset_names():
         assert train_gpt2.parse_args(["--preset", name]).preset == name
+
+
+def test_the_typed_config_holds_every_flag_and_gives_each_back():
+    """TrainConfig has a field for every flag of the trainer, each value the one parsed: a flag
+    added to the parser but not to the config (or the other way round) fails here."""
+    dests = [a.dest for a in train_gpt2.build_parser()._actions if a.option_strings and a.dest != "help"]
+    argv = ["--n_layer", "3", "-B", "5", "--max_lr", "0.5", "--muon_lr", "0.25", "--val_steps", "7", "--keep_last", "2",
+            "--recompute", "attn", "--attention", "math", "--fault", "nan@3:1", "--hellaswag_path", "h.jsonl"]
+    cfg = train_gpt2.parse_args(argv)
+    flags = cfg.flags()
+    assert sorted(flags) == sorted(dests)
+    assert train_gpt2.TrainConfig.from_flags(flags) == cfg
+    assert (cfg.model.n_layer, cfg.batch.micro_batch_size, cfg.optimizer.lr, cfg.schedule.max_lr) == (3, 5, 0.5, 0.5)
+    assert (cfg.optimizer.muon_lr, cfg.eval.val_steps, cfg.checkpoints.keep_last, cfg.scale.recompute) == \
+        (0.25, 7, 2, "attn")
+    assert (cfg.runtime.attention, cfg.runtime.fault, cfg.eval.hellaswag_path) == ("math", [("nan", 3, 1)], "h.jsonl")
+    assert cfg.schedule.decay_steps == cfg.schedule.max_steps == 19073  # --decay_steps' None
+
+
+@pytest.mark.parametrize("flags, expected", [(["--n_layer", "0"], "--n_layer must be a positive integer, not 0"),
+                                             (["--n_head", "5"], "--n_head 5 does not divide n_embd 768")])
+def test_model_sizes_no_gpt_can_have_are_refused_by_gptconfigs_own_check(capsys, flags, expected):
+    assert exit_message(capsys, train_gpt2.parse_args, *flags).endswith(f": error: {expected} (see --help)")
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -23,8 +23,8 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
     losses = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        t = train_gpt2.build_trainable(GPT(config), "cpu", torch.float32, grad_accum_steps=2,
-                                       compile_mode="default" if compiled else None)
+        step = train_gpt2.StepConfig(torch.float32, grad_accum_steps=2, compile_mode="default" if compiled else None)
+        t = train_gpt2.build_trainable(GPT(config), "cpu", step)
         train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
         val = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False)
         losses[compiled] = [train_gpt2.train_step(t, train, 1e-3).loss,

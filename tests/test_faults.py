@@ -266,10 +266,10 @@ import os, sys
 import torch
 sys.path.insert(0, {repo!r})
 import train_gpt2
-args = train_gpt2.parse_args(sys.argv[1:])
+log_dir = train_gpt2.parse_args(sys.argv[1:]).log_dir
 model = train_gpt2.main(sys.argv[1:])
-checkpoints = sorted(f for f in os.listdir(args.log_dir) if f.startswith("ckpt_"))  # on disk as main() returned
-torch.save(dict(weights=model.state_dict(), checkpoints=checkpoints), os.path.join(args.log_dir, "rank%s.pt" % os.environ["RANK"]))
+checkpoints = sorted(f for f in os.listdir(log_dir) if f.startswith("ckpt_"))  # on disk as main() returned
+torch.save(dict(weights=model.state_dict(), checkpoints=checkpoints), os.path.join(log_dir, "rank%s.pt" % os.environ["RANK"]))
 """
 
 

@@ -42,8 +42,8 @@ class FixedBatches:
 def losses_of(compile_mode, chunked_loss=False, steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    t = train_gpt2.build_trainable(model, "cuda", torch.bfloat16, grad_accum_steps=2, compile_mode=compile_mode,
-                                   chunked_loss=chunked_loss)
+    step = train_gpt2.StepConfig(torch.bfloat16, grad_accum_steps=2, compile_mode=compile_mode, chunked_loss=chunked_loss)
+    t = train_gpt2.build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
     return [train_gpt2.train_step(t, loader, 1e-3).loss for _ in range(steps)]
 

@@ -12,6 +12,7 @@ import train_gpt2
 from cli import preset_names
 from helpers import REPO, exit_message, run_script
 from model import GPT, GPTConfig, RECOMPUTE
+from train_config import ScaleConfig
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
 
@@ -100,8 +101,8 @@ def test_parameter_count_of_every_preset():
 
 def test_memory_reads_each_preset_as_the_trainer_does():
     for name in preset_names():
-        args = train_gpt2.parse_args(["--preset", name])
-        assert memory.preset_model(name) == (train_gpt2.model_config(args), bool(args.chunked_loss)), name
+        cfg = train_gpt2.parse_args(["--preset", name])
+        assert memory.preset_model(name) == (cfg.model, bool(cfg.scale.chunked_loss)), name
 
 
 def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
@@ -110,7 +111,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
                      "--log_dir", str(log_dir), "--data_dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     config, _ = memory.preset_model("gpt2-xl")
-    expected = memory.plan(config, 8, 1024, world_size=8, fsdp=True, recompute="full", chunked_loss=True)
+    expected = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, recompute="full", chunked_loss=True), world_size=8)
     assert "8 x cuda under FSDP" in out and "bfloat16 autocast" in out
     assert f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
@@ -170,9 +171,9 @@ def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
 def test_sharding_and_recompute_shrink_the_plan():
     config, _ = memory.preset_model("gpt2-xl")
     ddp = memory.plan(config, 8, 1024)
-    fsdp = memory.plan(config, 8, 1024, world_size=8, fsdp=True)
-    recomputed = memory.plan(config, 8, 1024, recompute="full")
-    chunked = memory.plan(config, 8, 1024, chunked_loss=True)
+    fsdp = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True), world_size=8)
+    recomputed = memory.plan(config, 8, 1024, ScaleConfig(recompute="full"))
+    chunked = memory.plan(config, 8, 1024, ScaleConfig(chunked_loss=True))
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
     assert ddp.logits == 2 * (chunked.logits - memory.head_gradient_bytes(config))  # 8x1024 positions, against a chunk of 4096

@@ -51,8 +51,8 @@ def block_matrices(model):
 def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
-    t = train_gpt2.build_trainable(model, "cpu", torch.float32, 1, muon.OptimizerConfig(optimizer, 3e-3, 0.1, **kw),
-                                   grad_clip=grad_clip)
+    step = train_gpt2.StepConfig(torch.float32, 1, muon.OptimizerConfig(optimizer, 3e-3, 0.1, **kw), grad_clip=grad_clip)
+    t = train_gpt2.build_trainable(model, "cpu", step)
     if scaler is not None:
         t.scaler = scaler
     return t
@@ -131,7 +131,7 @@ def test_the_default_adamw_path_is_plain_adamw_unchanged():
     scheduled lr, the same weights as AdamW stepped by hand, bit for bit."""
     model, reference = tiny_model(), tiny_model()
     t = trainable(model)
-    assert type(t.optimizer) is torch.optim.AdamW and train_gpt2.parse_args([]).optimizer == "adamw"
+    assert type(t.optimizer) is torch.optim.AdamW and train_gpt2.parse_args([]).optimizer.name == "adamw"
     by_hand = reference.configure_optimizers(0.1, 3e-3, "cpu")
     assert all("lr_scale" not in g for g in t.optimizer.param_groups)
     x, y = batch()
@@ -227,8 +227,8 @@ def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch)
     monkeypatch.setattr(muon.BlockMuon, "step", recording_step)
     flags = [*STEPS, *MUON, "--max_steps", "4"]
     records = train_records(train(shards, tmp_path, *flags))
-    args = train_gpt2.parse_args(TINY + flags)
-    expected = [train_gpt2.get_lr(step, args) for step in range(4)]
+    schedule = train_gpt2.parse_args(TINY + flags).schedule
+    expected = [schedule.lr(step) for step in range(4)]
     assert [r["lr"] for r in records] == expected
     assert [r["muon_lr"] for r in records] == stepped == [lr * (0.02 / 3e-3) for lr in expected]
     assert max(stepped) == pytest.approx(0.02)
@@ -298,9 +298,9 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     model = tiny_model()
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    args = train_gpt2.parse_args([])
-    del args.optimizer  # as the trainer saved its args before --optimizer
-    state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, args)
+    flags = train_gpt2.parse_args([]).flags()
+    del flags["optimizer"]  # as the trainer saved its flags before --optimizer
+    state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, flags)
     assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        scaler, loader) == 3
     optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
@@ -315,7 +315,7 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = muon.OptimizerConfig("muon", 1e-3, 0.1, fused_adamw=True, muon_lr=0.02)
     saved = muon.build_optimizer(model, fused, "cuda")
-    state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON))
+    state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON).flags())
     optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
@@ -391,7 +391,7 @@ def test_plan_counts_one_buffer_per_muon_parameter(capsys):
     adamw = capsys.readouterr().out
     train_gpt2.main(["--plan", "--optimizer", "muon"])
     muon_out = capsys.readouterr().out
-    config = train_gpt2.model_config(train_gpt2.parse_args([]))
+    config = train_gpt2.parse_args([]).model
     by_adamw, by_muon = memory.plan(config, 64, 1024), memory.plan(config, 64, 1024, optimizer="muon")
     assert by_adamw.optimizer - by_muon.optimizer == 4 * 12 * 12 * 768 * 768 == 4 * memory.n_muon_params(config)
     assert by_muon.total < by_adamw.total and by_muon.weights == by_adamw.weights

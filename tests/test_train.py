@@ -35,23 +35,24 @@ def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
 
 
 def test_lr_schedule_is_gpt2s():
-    args = train_gpt2.parse_args([])
-    assert train_gpt2.get_lr(0, args) == pytest.approx(6e-4 / 715)
-    assert train_gpt2.get_lr(714, args) == pytest.approx(6e-4)
-    assert train_gpt2.get_lr(715, args) == pytest.approx(6e-4)
+    lr = train_gpt2.parse_args([]).schedule.lr
+    assert lr(0) == pytest.approx(6e-4 / 715)
+    assert lr(714) == pytest.approx(6e-4)
+    assert lr(715) == pytest.approx(6e-4)
     midway = 715 + (19073 - 715) // 2
-    assert train_gpt2.get_lr(midway, args) == pytest.approx(3.3e-4, rel=1e-3)
-    assert train_gpt2.get_lr(19072, args) == pytest.approx(6e-5, rel=1e-6)
-    assert train_gpt2.get_lr(19073, args) == train_gpt2.get_lr(30000, args) == pytest.approx(6e-5)
+    assert lr(midway) == pytest.approx(3.3e-4, rel=1e-3)
+    assert lr(19072) == pytest.approx(6e-5, rel=1e-6)
+    assert lr(19073) == lr(30000) == pytest.approx(6e-5)
 
 
 def test_defaults_are_the_gpt2_124m_recipe():
-    a = train_gpt2.parse_args([])
-    assert (a.total_batch_size, a.micro_batch_size, a.seq_len, a.vocab_size) == (524288, 64, 1024, 50304)
-    assert (a.n_layer, a.n_head, a.n_embd, a.max_steps, a.warmup_steps) == (12, 12, 768, 19073, 715)
-    assert (a.weight_decay, a.grad_clip, a.seed, a.eval_interval, a.checkpoint_interval) == (0.1, 1.0, 1337, 250, 5000)
+    a = train_gpt2.parse_args([]).flags()
+    assert (a["total_batch_size"], a["micro_batch_size"], a["seq_len"], a["vocab_size"]) == (524288, 64, 1024, 50304)
+    assert (a["n_layer"], a["n_head"], a["n_embd"], a["max_steps"], a["warmup_steps"]) == (12, 12, 768, 19073, 715)
+    assert (a["weight_decay"], a["grad_clip"], a["seed"], a["eval_interval"], a["checkpoint_interval"]) == \
+        (0.1, 1.0, 1337, 250, 5000)
     demo = train_gpt2.parse_args(["--preset", "demo", "--max_steps", "7"])
-    assert demo.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
+    assert demo.schedule.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
 
 
 @pytest.fixture
@@ -156,13 +157,13 @@ def test_hellaswag_that_is_missing_or_cannot_be_downloaded_names_the_trainers_fl
 
     import hellaswag
     notes = []
-    args = argparse.Namespace(hellaswag_path=str(tmp_path / "absent.jsonl"), hellaswag_limit=0)
-    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    evaluation = argparse.Namespace(hellaswag_path=str(tmp_path / "absent.jsonl"), hellaswag_limit=0)
+    assert train_gpt2.read_hellaswag(evaluation, notes.append) is None
     assert "skipping HellaSwag (`python hellaswag.py --download_only` fetches it to" in notes[-1]
     monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
     monkeypatch.setenv(hellaswag.URL_ENV, (tmp_path / "unreachable").as_uri())
-    args.hellaswag_path = None
-    assert train_gpt2.read_hellaswag(args, notes.append) is None
+    evaluation.hellaswag_path = None
+    assert train_gpt2.read_hellaswag(evaluation, notes.append) is None
     assert "pass --hellaswag_path PATH" in notes[-1] and "--data" not in notes[-1]
     assert os.listdir(tmp_path) == []
 
@@ -250,7 +251,7 @@ def test_resume_keeps_this_machines_adamw_kernel(shards):
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
-    state = checkpoint.checkpoint_contents(model, fused, scaler, 3, loader, train_gpt2.parse_args([]))
+    state = checkpoint.checkpoint_contents(model, fused, scaler, 3, loader, train_gpt2.parse_args([]).flags())
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
@@ -466,7 +467,7 @@ def test_compile_auto_is_on_for_cuda_only_and_says_why_not_elsewhere(monkeypatch
 
 
 def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypatch):
-    """The lr each optimizer step runs at, in every param group, is get_lr(step)."""
+    """The lr each optimizer step runs at, in every param group, is the schedule's lr(step)."""
     stepped = []
     real_step = torch.optim.AdamW.step
 
@@ -476,8 +477,8 @@ def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypat
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     flags = ["--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--warmup_steps", "2"]
     records = train(shards, tmp_path, *flags)
-    args = train_gpt2.parse_args(TINY + flags)
-    expected = [train_gpt2.get_lr(step, args) for step in range(6)]
+    schedule = train_gpt2.parse_args(TINY + flags).schedule
+    expected = [schedule.lr(step) for step in range(6)]
     assert len(set(expected)) == 5  # warmup to max_lr at step 2, then cosine
     assert [r["lr"] for r in train_records(records)] == pytest.approx(expected)
     assert stepped == [pytest.approx([lr, lr]) for lr in expected]  # both groups: decayed and not
@@ -524,8 +525,8 @@ def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
 
 def test_seed_sets_the_order_of_later_epochs(shards):
     def epoch_1_start(*flags):
-        args = train_gpt2.parse_args(TINY + ["--data_dir", shards, "-B", "8", *flags])
-        loader = train_gpt2.build_loaders(args, 0, 1, args.vocab_size, print)[0]
+        cfg = train_gpt2.parse_args(TINY + ["--data_dir", shards, "-B", "8", *flags])
+        loader = train_gpt2.build_loaders(cfg, 0, 1, cfg.model.vocab_size)[0]
         loader.load_state_dict({"epoch": 1, "index": 0, "tokens_per_index": 8 * 32})
         return loader.next_batch()[0]
     assert torch.equal(epoch_1_start("--seed", "1"), epoch_1_start("--seed", "1"))
@@ -565,7 +566,7 @@ def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     finally:
         torch.set_default_dtype(torch.float32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    state = checkpoint.checkpoint_contents(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]))
+    state = checkpoint.checkpoint_contents(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]).flags())
     _, fresh = stepped_once(fused=True)
     model = GPT(GPTConfig(**TINY_CONFIG))
     resumed = model.configure_optimizers(0.1, 1e-3, "cpu", fused=True)
