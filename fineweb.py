@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow
@@ -53,6 +54,22 @@ class InputError(ValueError):
 
 class TokenIdTooLarge(Exception):
     """Raised in a worker: args are (index of the document in its chunk, the token id)."""
+
+
+@dataclass(frozen=True)
+class ShardingJob:
+    """Where the shards go and how they are cut, whatever the corpus: shard_size tokens a shard,
+    named {prefix}_{split}_{index:06d}.npy in output_dir, tokenized by num_proc processes, with a
+    progress bar (or a line a minute where no terminal shows one) if progress."""
+    output_dir: str
+    prefix: str
+    shard_size: int
+    num_proc: int = 1
+    progress: bool = False
+
+    def shard_path(self, index):
+        """The path of shard number index."""
+        return os.path.join(self.output_dir, shard_name(self.prefix, split_of(index), index))
 
 # -----------------------------------------------------------------------------
 # tokenizing: chunks of documents to worker processes, results back in input order
@@ -442,24 +459,25 @@ def check_written(manifest, shard_size, paths):
 # sharding
 
 
-def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress=False):
+def shard_corpus(run, source, open_documents, job):
     """Tokenizes the documents that open_documents(skip) yields (from document number skip on)
-    into shards in output_dir, resuming this run where an interrupted one stopped. source names
-    the corpus in messages. Returns {output_dir, documents, tokens, shards, status, tokens_per_s}
+    into job's shards, resuming this run where an interrupted one stopped. source names the
+    corpus in messages. Returns {output_dir, documents, tokens, shards, status, tokens_per_s}
     where status is "written", "resumed" or "already complete"."""
-    if shard_size < 1 or num_proc < 1:
-        raise InputError(f"shard_size ({shard_size}) and num_proc ({num_proc}) must be at least 1")
+    if job.shard_size < 1 or job.num_proc < 1:
+        raise InputError(f"shard_size ({job.shard_size}) and num_proc ({job.num_proc}) must be at least 1")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 2 * shard_size > memory // 2:  # the shard's buffer of uint16 tokens, beside the tokenizers' own memory
-        raise InputError(f"a shard of {shard_size:,} tokens needs {2 * shard_size / 2**30:,.1f} GiB of memory for its "
-                         f"buffer; this machine has {memory / 2**30:,.1f} GiB: choose a smaller --shard_size")
+    if 2 * job.shard_size > memory // 2:  # the shard's buffer of uint16 tokens, beside the tokenizers' own memory
+        raise InputError(f"a shard of {job.shard_size:,} tokens needs {2 * job.shard_size / 2**30:,.1f} GiB of memory "
+                         f"for its buffer; this machine has {memory / 2**30:,.1f} GiB: choose a smaller --shard_size")
+    output_dir = job.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise InputError(f"{output_dir}: exists and is not a directory")
     created_dir = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
         with contextlib.closing(claim_directory(output_dir, "fineweb.py")):
-            return shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            return shard_claimed(run, source, open_documents, job)
     except CannotClaim as e:  # in use by another run, or a .lock that cannot be ours
         raise InputError(str(e)) from None
     finally:  # a refusal leaves no directory behind that it made
@@ -467,17 +485,18 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
             shutil.rmtree(output_dir)
 
 
-def shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
-    """shard_corpus, once this process holds output_dir's lock."""
+def shard_claimed(run, source, open_documents, job):
+    """shard_corpus, once this process holds job.output_dir's lock."""
+    output_dir, prefix = job.output_dir, job.prefix
     manifest = start_or_resume(output_dir, prefix, run)
     status = "already complete" if manifest["complete"] else "resumed" if manifest["shards"] else "written"
-    t0, tokens_before = time.time(), manifest["shards"] * shard_size
+    t0, tokens_before = time.time(), manifest["shards"] * job.shard_size
     if not manifest["complete"]:
         remove_leftovers(output_dir, prefix, manifest["shards"])
         write_manifest(output_dir, manifest)  # claims the directory before the first shard lands in it
         started = manifest
         try:
-            manifest = write_shards(started, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            manifest = write_shards(started, source, open_documents, job)
         except InputError:
             # The corpus cannot be built as asked, so what this invocation wrote goes. The shards
             # of an earlier, interrupted run stay with their manifest: the error may be passing
@@ -498,17 +517,18 @@ def expected_tokens(run):
     return SAMPLE_TOKENS.get(run.get("name")) if run.get("dataset") == FINEWEB_EDU else None
 
 
-def write_shards(manifest, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
+def write_shards(manifest, source, open_documents, job):
     """The sharding loop: fills a shard_size buffer from the token stream and writes each full
     one, then records in the manifest where the next shard starts: `skip` tokens into the
     stream that begins at document number `document`. Returns the final manifest."""
     shard, document, skip = manifest["shards"], manifest["document"], manifest["skip"]
+    output_dir, shard_size = job.output_dir, job.shard_size
     buffer = np.empty(shard_size, dtype=SHARD_DTYPE)
     filled = 0
     bar = progress_meter("fineweb", "tok", expected_tokens(manifest["run"]), shard * shard_size, scale=True,
-                         disable=not progress)
+                         disable=not job.progress)
     bar.set_postfix(shards=shard)
-    for origins, tokens in tokenize_chunks(chunk_documents(open_documents(document), CHUNK_CHARS), num_proc):
+    for origins, tokens in tokenize_chunks(chunk_documents(open_documents(document), CHUNK_CHARS), job.num_proc):
         start = min(skip, len(tokens))  # when resuming: tokens that the written shards already hold
         skip -= start
         bar.update(len(tokens) - start)
@@ -517,7 +537,7 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
             buffer[filled:filled + take] = tokens[start:start + take]
             filled, start = filled + take, start + take
             if filled == shard_size:
-                write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer)
+                write_shard(job.shard_path(shard), buffer)
                 shard, filled = shard + 1, 0
                 write_manifest(output_dir, manifest | {"shards": shard, "document": document, "skip": start})
                 bar.set_postfix(shards=shard)
@@ -532,7 +552,7 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
         raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {where} past the end of {source}: "
                          f"not this corpus's progress; delete {output_dir} and rerun")
     if filled:
-        write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer[:filled])
+        write_shard(job.shard_path(shard), buffer[:filled])
         shard += 1
         bar.set_postfix(shards=shard)
     bar.close()
@@ -542,28 +562,27 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
     return manifest
 
 
-def shard_local_files(paths, output_dir, prefix, shard_size, num_proc=1, text_field="text", progress=False):
-    """Shards local .txt/.jsonl/.json/.parquet files (or directories of them), in order; returns
-    shard_corpus's summary. Raises InputError (a ValueError) on bad input, or if output_dir
-    holds shards of another corpus."""
+def shard_local_files(paths, job, text_field="text"):
+    """Shards local .txt/.jsonl/.json/.parquet files (or directories of them), in order, the text of
+    .jsonl/.json and .parquet documents in their text_field; returns shard_corpus's summary. Raises
+    InputError (a ValueError) on bad input, or if job.output_dir holds shards of another corpus."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     files = expand_inputs([os.fspath(path) for path in paths])
     for path in files:
         check_readable(path, text_field)
     run = {"inputs": [{"path": os.path.abspath(path), "bytes": os.path.getsize(path)} for path in files],
-           "text_field": text_field, "prefix": prefix, "shard_size": shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
-    return shard_corpus(run, ", ".join(files), lambda skip: local_documents(files, text_field, skip),
-                        output_dir, prefix, shard_size, num_proc, progress)
+           "text_field": text_field, "prefix": job.prefix, "shard_size": job.shard_size,
+           "tokenizer": f"gpt2 {BPE_SHA256}"}
+    return shard_corpus(run, ", ".join(files), lambda skip: local_documents(files, text_field, skip), job)
 
 
-def shard_hub_dataset(output_dir, prefix, shard_size, num_proc=1, dataset=FINEWEB_EDU, name=VERSIONS["10B"],
-                      split="train", text_field="text", streaming=False, progress=False):
+def shard_hub_dataset(job, dataset=FINEWEB_EDU, name=VERSIONS["10B"], split="train", text_field="text",
+                      streaming=False):
     """Shards a Hugging Face dataset, by default FineWeb-Edu sample-10BT; returns shard_corpus's summary."""
-    run = {"dataset": dataset, "name": name, "split": split, "text_field": text_field, "prefix": prefix,
-           "shard_size": shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
+    run = {"dataset": dataset, "name": name, "split": split, "text_field": text_field, "prefix": job.prefix,
+           "shard_size": job.shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
     return shard_corpus(run, f"{dataset} ({name}, {split})",
-                        lambda skip: hub_documents(dataset, name, split, text_field, streaming, skip),
-                        output_dir, prefix, shard_size, num_proc, progress)
+                        lambda skip: hub_documents(dataset, name, split, text_field, streaming, skip), job)
 
 # -----------------------------------------------------------------------------
 # command line
@@ -632,15 +651,13 @@ def main(argv=None):
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help, or a usage error already printed
         return e.code
-    common = dict(output_dir=args.output_dir, prefix=args.prefix, shard_size=args.shard_size,
-                  num_proc=args.num_proc, text_field=args.text_field, progress=True)
+    job = ShardingJob(args.output_dir, args.prefix, args.shard_size, args.num_proc, progress=True)
     try:
         with sigterm_as_ctrl_c():
             if args.input:
-                summary = shard_local_files(args.input, **common)
+                summary = shard_local_files(args.input, job, args.text_field)
             else:
-                summary = shard_hub_dataset(dataset=args.dataset, name=args.name, split=args.split,
-                                            streaming=args.streaming, **common)
+                summary = shard_hub_dataset(job, args.dataset, args.name, args.split, args.text_field, args.streaming)
     except (InputError, OSError) as e:  # OSError: writing failed; the finished shards stay, resumable
         print(f"fineweb.py: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1
