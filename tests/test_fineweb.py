@@ -563,7 +563,7 @@ def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
     hub = tmp_path / "hub"
     hub.mkdir()
     write_docs_jsonl(hub / "part.jsonl", DOCS)
-    docs = list(fineweb.hub_documents(str(hub), None, "train", "text", False, skip=2))
+    docs = list(fineweb.hub_documents(fineweb.HubDataset(str(hub), name=None), skip=2))
     assert docs == [(text, f"{hub} row {row}") for row, text in enumerate(DOCS) if row >= 2]
 
 
