@@ -24,7 +24,9 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow
@@ -53,6 +55,43 @@ class InputError(ValueError):
 
 class TokenIdTooLarge(Exception):
     """Raised in a worker: args are (index of the document in its chunk, the token id)."""
+
+
+@dataclass(frozen=True)
+class ShardingJob:
+    """Where the shards go and how they are cut, whatever the corpus: shard_size tokens a shard,
+    named {prefix}_{split}_{index:06d}.npy in output_dir, tokenized by num_proc processes, with a
+    progress bar (or a line a minute where no terminal shows one) if progress."""
+    output_dir: str
+    prefix: str
+    shard_size: int
+    num_proc: int = 1
+    progress: bool = False
+
+    def shard_path(self, index):
+        """The path of shard number index."""
+        return os.path.join(self.output_dir, shard_name(self.prefix, split_of(index), index))
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A split of a Hugging Face dataset (a hub name, or a local folder load_dataset reads), with its
+    text in the text_field column; streaming reads it while sharding rather than downloading it first."""
+    dataset: str = FINEWEB_EDU
+    name: str | None = VERSIONS["10B"]  # the dataset's config
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What shard_corpus reads: identity tells the corpus apart from others in the manifest's run,
+    name is the corpus in messages, documents(skip) yields its (text, origin) pairs from document
+    number skip on."""
+    identity: dict
+    name: str
+    documents: Callable
 
 # -----------------------------------------------------------------------------
 # tokenizing: chunks of documents to worker processes, results back in input order
@@ -267,14 +306,15 @@ def local_documents(files, text_field, skip):
     return itertools.islice(documents, skip, None)
 
 
-def hub_documents(dataset, name, split, text_field, streaming, skip):
-    """The documents of a Hugging Face dataset, from row skip on."""
+def hub_documents(hub, skip):
+    """The documents of a HubDataset, from row skip on."""
     import datasets  # only here: a slow import that local inputs do not need
 
+    dataset, text_field = hub.dataset, hub.text_field
     try:
-        ds = datasets.load_dataset(dataset, name=name, split=split, streaming=streaming)
+        ds = datasets.load_dataset(dataset, name=hub.name, split=hub.split, streaming=hub.streaming)
     except Exception as e:  # the hub and the builders raise many types; each is one bad input here
-        raise InputError(f"{dataset}: cannot load config {name} split {split} ({type(e).__name__}: "
+        raise InputError(f"{dataset}: cannot load config {hub.name} split {hub.split} ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     if ds.column_names is not None and text_field not in ds.column_names:
         raise InputError(f"{dataset}: no {text_field!r} column (columns: {', '.join(ds.column_names)})")
@@ -442,24 +482,24 @@ def check_written(manifest, shard_size, paths):
 # sharding
 
 
-def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress=False):
-    """Tokenizes the documents that open_documents(skip) yields (from document number skip on)
-    into shards in output_dir, resuming this run where an interrupted one stopped. source names
-    the corpus in messages. Returns {output_dir, documents, tokens, shards, status, tokens_per_s}
-    where status is "written", "resumed" or "already complete"."""
-    if shard_size < 1 or num_proc < 1:
-        raise InputError(f"shard_size ({shard_size}) and num_proc ({num_proc}) must be at least 1")
+def shard_corpus(corpus, job):
+    """Tokenizes corpus's documents into job's shards, resuming this run where an interrupted one
+    stopped. Returns {output_dir, documents, tokens, shards, status, tokens_per_s} where status
+    is "written", "resumed" or "already complete"."""
+    if job.shard_size < 1 or job.num_proc < 1:
+        raise InputError(f"shard_size ({job.shard_size}) and num_proc ({job.num_proc}) must be at least 1")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 2 * shard_size > memory // 2:  # the shard's buffer of uint16 tokens, beside the tokenizers' own memory
-        raise InputError(f"a shard of {shard_size:,} tokens needs {2 * shard_size / 2**30:,.1f} GiB of memory for its "
-                         f"buffer; this machine has {memory / 2**30:,.1f} GiB: choose a smaller --shard_size")
+    if 2 * job.shard_size > memory // 2:  # the shard's buffer of uint16 tokens, beside the tokenizers' own memory
+        raise InputError(f"a shard of {job.shard_size:,} tokens needs {2 * job.shard_size / 2**30:,.1f} GiB of memory "
+                         f"for its buffer; this machine has {memory / 2**30:,.1f} GiB: choose a smaller --shard_size")
+    output_dir = job.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise InputError(f"{output_dir}: exists and is not a directory")
     created_dir = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
         with contextlib.closing(claim_directory(output_dir, "fineweb.py")):
-            return shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            return shard_claimed(corpus, job)
     except CannotClaim as e:  # in use by another run, or a .lock that cannot be ours
         raise InputError(str(e)) from None
     finally:  # a refusal leaves no directory behind that it made
@@ -467,17 +507,20 @@ def shard_corpus(run, source, open_documents, output_dir, prefix, shard_size, nu
             shutil.rmtree(output_dir)
 
 
-def shard_claimed(run, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
-    """shard_corpus, once this process holds output_dir's lock."""
+def shard_claimed(corpus, job):
+    """shard_corpus, once this process holds job.output_dir's lock."""
+    output_dir, prefix = job.output_dir, job.prefix
+    # The run: this corpus, cut by this job and this tokenizer; a rerun resumes only the same run.
+    run = corpus.identity | {"prefix": prefix, "shard_size": job.shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
     manifest = start_or_resume(output_dir, prefix, run)
     status = "already complete" if manifest["complete"] else "resumed" if manifest["shards"] else "written"
-    t0, tokens_before = time.time(), manifest["shards"] * shard_size
+    t0, tokens_before = time.time(), manifest["shards"] * job.shard_size
     if not manifest["complete"]:
         remove_leftovers(output_dir, prefix, manifest["shards"])
         write_manifest(output_dir, manifest)  # claims the directory before the first shard lands in it
         started = manifest
         try:
-            manifest = write_shards(started, source, open_documents, output_dir, prefix, shard_size, num_proc, progress)
+            manifest = write_shards(started, corpus, job)
         except InputError:
             # The corpus cannot be built as asked, so what this invocation wrote goes. The shards
             # of an earlier, interrupted run stay with their manifest: the error may be passing
@@ -498,17 +541,18 @@ def expected_tokens(run):
     return SAMPLE_TOKENS.get(run.get("name")) if run.get("dataset") == FINEWEB_EDU else None
 
 
-def write_shards(manifest, source, open_documents, output_dir, prefix, shard_size, num_proc, progress):
+def write_shards(manifest, corpus, job):
     """The sharding loop: fills a shard_size buffer from the token stream and writes each full
     one, then records in the manifest where the next shard starts: `skip` tokens into the
     stream that begins at document number `document`. Returns the final manifest."""
     shard, document, skip = manifest["shards"], manifest["document"], manifest["skip"]
+    output_dir, shard_size = job.output_dir, job.shard_size
     buffer = np.empty(shard_size, dtype=SHARD_DTYPE)
     filled = 0
     bar = progress_meter("fineweb", "tok", expected_tokens(manifest["run"]), shard * shard_size, scale=True,
-                         disable=not progress)
+                         disable=not job.progress)
     bar.set_postfix(shards=shard)
-    for origins, tokens in tokenize_chunks(chunk_documents(open_documents(document), CHUNK_CHARS), num_proc):
+    for origins, tokens in tokenize_chunks(chunk_documents(corpus.documents(document), CHUNK_CHARS), job.num_proc):
         start = min(skip, len(tokens))  # when resuming: tokens that the written shards already hold
         skip -= start
         bar.update(len(tokens) - start)
@@ -517,22 +561,22 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
             buffer[filled:filled + take] = tokens[start:start + take]
             filled, start = filled + take, start + take
             if filled == shard_size:
-                write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer)
+                write_shard(job.shard_path(shard), buffer)
                 shard, filled = shard + 1, 0
                 write_manifest(output_dir, manifest | {"shards": shard, "document": document, "skip": start})
                 bar.set_postfix(shards=shard)
         document += len(origins)
     if document == 0:
-        raise InputError(f"{source}: no documents")
+        raise InputError(f"{corpus.name}: no documents")
     # The manifest's resume point lies past the end of the corpus: tokens to skip are left, or no
     # document came from it (a manifest points into the chunk where its next shard starts).
     nothing_read = manifest["document"] > 0 and document == manifest["document"]
     if skip or nothing_read:
         where = f"at document {document:,}" if nothing_read else f"{skip:,} tokens"
-        raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {where} past the end of {source}: "
+        raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {where} past the end of {corpus.name}: "
                          f"not this corpus's progress; delete {output_dir} and rerun")
     if filled:
-        write_shard(os.path.join(output_dir, shard_name(prefix, split_of(shard), shard)), buffer[:filled])
+        write_shard(job.shard_path(shard), buffer[:filled])
         shard += 1
         bar.set_postfix(shards=shard)
     bar.close()
@@ -542,28 +586,25 @@ def write_shards(manifest, source, open_documents, output_dir, prefix, shard_siz
     return manifest
 
 
-def shard_local_files(paths, output_dir, prefix, shard_size, num_proc=1, text_field="text", progress=False):
-    """Shards local .txt/.jsonl/.json/.parquet files (or directories of them), in order; returns
-    shard_corpus's summary. Raises InputError (a ValueError) on bad input, or if output_dir
-    holds shards of another corpus."""
+def shard_local_files(paths, job, text_field="text"):
+    """Shards local .txt/.jsonl/.json/.parquet files (or directories of them), in order, the text of a
+    .jsonl/.json line or a .parquet row in its text_field; returns shard_corpus's summary. Raises
+    InputError (a ValueError) on bad input, or if job.output_dir holds shards of another corpus."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     files = expand_inputs([os.fspath(path) for path in paths])
     for path in files:
         check_readable(path, text_field)
-    run = {"inputs": [{"path": os.path.abspath(path), "bytes": os.path.getsize(path)} for path in files],
-           "text_field": text_field, "prefix": prefix, "shard_size": shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
-    return shard_corpus(run, ", ".join(files), lambda skip: local_documents(files, text_field, skip),
-                        output_dir, prefix, shard_size, num_proc, progress)
+    identity = {"inputs": [{"path": os.path.abspath(path), "bytes": os.path.getsize(path)} for path in files],
+                "text_field": text_field}
+    corpus = Corpus(identity, ", ".join(files), lambda skip: local_documents(files, text_field, skip))
+    return shard_corpus(corpus, job)
 
 
-def shard_hub_dataset(output_dir, prefix, shard_size, num_proc=1, dataset=FINEWEB_EDU, name=VERSIONS["10B"],
-                      split="train", text_field="text", streaming=False, progress=False):
-    """Shards a Hugging Face dataset, by default FineWeb-Edu sample-10BT; returns shard_corpus's summary."""
-    run = {"dataset": dataset, "name": name, "split": split, "text_field": text_field, "prefix": prefix,
-           "shard_size": shard_size, "tokenizer": f"gpt2 {BPE_SHA256}"}
-    return shard_corpus(run, f"{dataset} ({name}, {split})",
-                        lambda skip: hub_documents(dataset, name, split, text_field, streaming, skip),
-                        output_dir, prefix, shard_size, num_proc, progress)
+def shard_hub_dataset(hub, job):
+    """Shards a HubDataset, in row order; returns shard_corpus's summary."""
+    identity = {"dataset": hub.dataset, "name": hub.name, "split": hub.split, "text_field": hub.text_field}
+    name = f"{hub.dataset} ({hub.name}, {hub.split})"
+    return shard_corpus(Corpus(identity, name, lambda skip: hub_documents(hub, skip)), job)
 
 # -----------------------------------------------------------------------------
 # command line
@@ -632,15 +673,14 @@ def main(argv=None):
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # --help, or a usage error already printed
         return e.code
-    common = dict(output_dir=args.output_dir, prefix=args.prefix, shard_size=args.shard_size,
-                  num_proc=args.num_proc, text_field=args.text_field, progress=True)
+    job = ShardingJob(args.output_dir, args.prefix, args.shard_size, args.num_proc, progress=True)
     try:
         with sigterm_as_ctrl_c():
             if args.input:
-                summary = shard_local_files(args.input, **common)
+                summary = shard_local_files(args.input, job, args.text_field)
             else:
-                summary = shard_hub_dataset(dataset=args.dataset, name=args.name, split=args.split,
-                                            streaming=args.streaming, **common)
+                hub = HubDataset(args.dataset, args.name, args.split, args.text_field, args.streaming)
+                summary = shard_hub_dataset(hub, job)
     except (InputError, OSError) as e:  # OSError: writing failed; the finished shards stay, resumable
         print(f"fineweb.py: error: {e}".replace("\n", " "), file=sys.stderr)
         return 1

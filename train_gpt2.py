@@ -581,8 +581,8 @@ def ensure_demo_shards(cfg, rank, log):
     if rank == 0:
         import fineweb
         try:
-            summary = fineweb.shard_local_files([TINY_SHAKESPEARE], cfg.data_dir, prefix="shakespeare",
-                                                shard_size=32768, num_proc=1)
+            demo = fineweb.ShardingJob(cfg.data_dir, prefix="shakespeare", shard_size=32768, num_proc=1)
+            summary = fineweb.shard_local_files([TINY_SHAKESPEARE], demo)
         except (fineweb.InputError, OSError) as e:  # OSError: a shard that cannot be written
             raise RunError(str(e)) from None
         if summary["status"] != "already complete":

@@ -41,9 +41,9 @@ def test_a_second_fineweb_on_an_output_dir_is_refused_and_writes_nothing(tmp_pat
     out.mkdir()
     with claim_directory(str(out), "fineweb.py"):
         with pytest.raises(fineweb.InputError, match=rf"in use by another fineweb.py \(pid {os.getpid()}\)"):
-            fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+            fineweb.shard_local_files(corpus, fineweb.ShardingJob(str(out), "tiny", 7))
     assert listdir(out) == []
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)  # free once the first has let go
+    fineweb.shard_local_files(corpus, fineweb.ShardingJob(str(out), "tiny", 7))  # free once the first has let go
 
 
 def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path):

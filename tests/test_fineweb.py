@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import fineweb
+from fineweb import ShardingJob
 from bench import baseline_tokenize
 from helpers import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
 from data import Shard, shard_name
@@ -76,7 +77,7 @@ def test_tinyshakespeare_starts_with_gpt2_ids():
 def test_round_trip(tmp_path, fmt):
     write = {"jsonl": lambda: write_docs_jsonl(tmp_path / "c.jsonl", DOCS), "txt": lambda: write_txt_dir(tmp_path / "c", DOCS),
              "parquet": lambda: write_parquet(tmp_path / "c.parquet", DOCS)}[fmt]
-    summary = fineweb.shard_local_files(write(), str(tmp_path / "out"), "tiny", 7)
+    summary = fineweb.shard_local_files(write(), ShardingJob(str(tmp_path / "out"), "tiny", 7))
     shards = check_shards(tmp_path / "out", "tiny", 7, DOCS)
     assert (np.concatenate(shards) == EOT).sum() == len(DOCS)  # a literal "<|endoftext|>" is just text
     assert summary["documents"] == len(DOCS) and summary["tokens"] == len(stream_of(DOCS))
@@ -90,15 +91,16 @@ def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     (corpus / "a.txt").write_text("a", encoding="utf-8")
     write_parquet(corpus / "c.parquet", ["c1"])
     (corpus / "notes.md").write_text("not a corpus file", encoding="utf-8")
-    fineweb.shard_local_files(str(corpus), str(tmp_path / "dir"), "t", 3)
+    fineweb.shard_local_files(str(corpus), ShardingJob(str(tmp_path / "dir"), "t", 3))
     check_shards(tmp_path / "dir", "t", 3, ["a", "b1", "b2", "c1"])
-    fineweb.shard_local_files([str(corpus / "c.parquet"), str(corpus / "a.txt")], str(tmp_path / "files"), "t", 3)
+    fineweb.shard_local_files([str(corpus / "c.parquet"), str(corpus / "a.txt")],
+                              ShardingJob(str(tmp_path / "files"), "t", 3))
     check_shards(tmp_path / "files", "t", 3, ["c1", "a"])
 
 
 def test_a_txt_file_is_its_text_as_is(tmp_path):
     (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
-    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), str(tmp_path / "out"), "t", 100)
+    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), ShardingJob(str(tmp_path / "out"), "t", 100))
     check_shards(tmp_path / "out", "t", 100, ["a\r\nb\rc"])  # [EOT] + encode_ordinary, \r\n and \r kept
 
 
@@ -107,7 +109,7 @@ def test_num_proc_1_and_2_write_identical_shards(tmp_path, monkeypatch):
     docs = shakespeare_speeches(20_000)
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", docs)
     for num_proc in (1, 2):
-        fineweb.shard_local_files(corpus, str(tmp_path / f"p{num_proc}"), "s", 500, num_proc=num_proc)
+        fineweb.shard_local_files(corpus, ShardingJob(str(tmp_path / f"p{num_proc}"), "s", 500, num_proc=num_proc))
     one, two = check_shards(tmp_path / "p1", "s", 500, docs), check_shards(tmp_path / "p2", "s", 500, docs)
     assert len(one) == len(two) > 5 and all(np.array_equal(a, b) for a, b in zip(one, two))
 
@@ -131,7 +133,7 @@ def test_cli_under_spawn_and_forkserver_matches_fork(tmp_path, method):
     args = ["--input", corpus, "--shard_size", 50_000, "--num_proc", 2, "--prefix", "s"]
     result = run_cli(*args, "--output_dir", tmp_path / method, env={"PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr
-    fineweb.shard_local_files(corpus, str(tmp_path / "fork"), "s", 50_000, num_proc=2)
+    fineweb.shard_local_files(corpus, ShardingJob(str(tmp_path / "fork"), "s", 50_000, num_proc=2))
     names = sorted(listdir(tmp_path / "fork"))
     assert names == sorted(listdir(tmp_path / method)) and len(names) == 8
     for name in names:
@@ -171,7 +173,7 @@ def test_progress_lines_where_no_terminal_shows_a_bar(tmp_path, monkeypatch, cap
 
 
 def test_demo_corpus(tmp_path):
-    summary = fineweb.shard_local_files(SHAKESPEARE, str(tmp_path / "shakespeare"), "shakespeare", 32768)
+    summary = fineweb.shard_local_files(SHAKESPEARE, ShardingJob(str(tmp_path / "shakespeare"), "shakespeare", 32768))
     assert (summary["documents"], summary["tokens"], summary["shards"]) == (1, 338_026, 11)
     val = Shard(str(tmp_path / "shakespeare" / "shakespeare_val_000000.npy"))
     assert val.n_tokens == 32768 and val.read(0, 4).tolist() == [EOT, 5962, 22307, 25]
@@ -287,7 +289,7 @@ def check_rerun_matches_an_uninterrupted_run(args, corpus, out, shard_size, docs
     resumed = run_cli(*args)
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
     clean = out.parent / "clean"
-    fineweb.shard_local_files(corpus, str(clean), "edufineweb", shard_size)
+    fineweb.shard_local_files(corpus, ShardingJob(str(clean), "edufineweb", shard_size))
     assert sorted(listdir(out)) == sorted(listdir(clean))
     for name in listdir(out):
         assert (out / name).read_bytes() == (clean / name).read_bytes()
@@ -352,7 +354,7 @@ def test_interrupted_run_keeps_finished_shards_and_resumes(tmp_path, monkeypatch
     assert manifest["shards"] == 1 and manifest["document"] > 0 and manifest["skip"] > 0
     monkeypatch.setattr(fineweb, "write_shard", real_write_shard)
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 50)  # the tokens to skip now span several chunks
-    summary = fineweb.shard_local_files(corpus, str(tmp_path / "out"), "edufineweb", 500)
+    summary = fineweb.shard_local_files(corpus, ShardingJob(str(tmp_path / "out"), "edufineweb", 500))
     assert summary["status"] == "resumed" and summary["documents"] == len(docs)
     check_shards(tmp_path / "out", "edufineweb", 500, docs)
 
@@ -431,7 +433,7 @@ def interrupt_at_third_shard(monkeypatch, corpus, out, prefix, shard_size, chunk
     monkeypatch.setattr(fineweb, "write_shard", write_shard)
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", chunk_chars)
     with pytest.raises(KeyboardInterrupt):
-        fineweb.shard_local_files(corpus, str(out), prefix, shard_size)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), prefix, shard_size))
     return written
 
 
@@ -451,11 +453,11 @@ def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, m
             yield document
     monkeypatch.setitem(fineweb.READERS, ".jsonl", fails_at_last_document)
     with pytest.raises(fineweb.InputError, match="cannot read"):
-        fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "edufineweb", 500))
     assert len(written) > 4  # the resumed run wrote shards 2, 3, ... before it failed
     assert {name: (out / name).read_bytes() for name in listdir(out)} == before
     monkeypatch.setitem(fineweb.READERS, ".jsonl", fineweb.read_jsonl)
-    summary = fineweb.shard_local_files(corpus, str(out), "edufineweb", 500)
+    summary = fineweb.shard_local_files(corpus, ShardingJob(str(out), "edufineweb", 500))
     assert summary["status"] == "resumed"
     check_shards(out, "edufineweb", 500, docs)
 
@@ -463,34 +465,34 @@ def test_bad_input_on_resume_removes_only_what_the_resumed_run_wrote(tmp_path, m
 def test_rerun_of_a_complete_run_does_nothing_and_another_corpus_is_refused(tmp_path):
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     before = {name: (out / name).stat().st_mtime_ns for name in listdir(out)}
     again = run_cli("--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 7)
     assert again.returncode == 0 and "already complete" in again.stdout
     one_line_error(run_cli("--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 8), "shard_size")
     with pytest.raises(fineweb.InputError, match="another run \\(prefix"):
-        fineweb.shard_local_files(corpus, str(out), "other", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "other", 7))
     with open(corpus, "a") as f:  # the same file, grown: a different corpus
         f.write('{"text": "one more"}\n')
     with pytest.raises(fineweb.InputError, match="another run \\(inputs"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     assert {name: (out / name).stat().st_mtime_ns for name in listdir(out)} == before
 
 
 def test_a_prefix_holding_a_split_word_reruns_as_complete(tmp_path):
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)
+    fineweb.shard_local_files(corpus, ShardingJob(str(out), "shakes_train_x", 7))
     check_shards(out, "shakes_train_x", 7, DOCS)
-    assert fineweb.shard_local_files(corpus, str(out), "shakes_train_x", 7)["status"] == "already complete"
+    assert fineweb.shard_local_files(corpus, ShardingJob(str(out), "shakes_train_x", 7))["status"] == "already complete"
 
 
 def test_a_directory_sharded_into_itself_reruns_as_complete(tmp_path):
     write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
-    first = fineweb.shard_local_files(str(tmp_path), str(tmp_path), "tiny", 7)
+    first = fineweb.shard_local_files(str(tmp_path), ShardingJob(str(tmp_path), "tiny", 7))
     # Its manifest, written there, is not read back as an input: the rerun is the same run.
     assert first["documents"] == len(DOCS)
-    assert fineweb.shard_local_files(str(tmp_path), str(tmp_path), "tiny", 7)["status"] == "already complete"
+    assert fineweb.shard_local_files(str(tmp_path), ShardingJob(str(tmp_path), "tiny", 7))["status"] == "already complete"
 
 
 def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
@@ -499,12 +501,12 @@ def test_shards_without_a_manifest_or_of_another_prefix_are_refused(tmp_path):
     foreign.mkdir()
     np.save(foreign / "edufineweb_val_000000.npy", np.zeros(7, dtype=np.uint16))
     with pytest.raises(fineweb.InputError, match="no fineweb_manifest.json"):
-        fineweb.shard_local_files(corpus, str(foreign), "edufineweb", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(foreign), "edufineweb", 7))
     out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     np.save(out / "other_train_000001.npy", np.zeros(7, dtype=np.uint16))
     with pytest.raises(fineweb.InputError, match="another prefix"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
 
 
 @pytest.mark.parametrize("text", ["[]", '"x"', "null", '{"run": 5}', '{"run": {}, "shards": 1, "document": 0}'])
@@ -514,7 +516,7 @@ def test_a_manifest_that_is_json_but_not_ours_is_unreadable(tmp_path, text):
     out.mkdir()
     (out / fineweb.MANIFEST).write_text(text)
     with pytest.raises(fineweb.InputError, match="unreadable manifest"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     assert listdir(out) == [fineweb.MANIFEST] and (out / fineweb.MANIFEST).read_text() == text
 
 
@@ -551,7 +553,7 @@ def test_blank_lines_in_jsonl_are_skipped(tmp_path):
     write_docs_jsonl(corpus, DOCS[:3])
     lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
     corpus.write_text("\n" + lines[0] + "\n  \n" + "".join(lines[1:]) + "\n", encoding="utf-8")
-    summary = fineweb.shard_local_files(str(corpus), str(tmp_path / "out"), "t", 7)
+    summary = fineweb.shard_local_files(str(corpus), ShardingJob(str(tmp_path / "out"), "t", 7))
     assert summary["documents"] == 3
     check_shards(tmp_path / "out", "t", 7, DOCS[:3])
 
@@ -561,7 +563,7 @@ def test_hub_documents_start_at_the_skipped_row(tmp_path, monkeypatch):
     hub = tmp_path / "hub"
     hub.mkdir()
     write_docs_jsonl(hub / "part.jsonl", DOCS)
-    docs = list(fineweb.hub_documents(str(hub), None, "train", "text", False, skip=2))
+    docs = list(fineweb.hub_documents(fineweb.HubDataset(str(hub), name=None), skip=2))
     assert docs == [(text, f"{hub} row {row}") for row, text in enumerate(DOCS) if row >= 2]
 
 
@@ -608,7 +610,7 @@ def test_a_shard_size_beyond_memory_is_refused_before_anything_is_written(tmp_pa
     result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--shard_size", 10**13)
     one_line_error(result, "a shard of 10,000,000,000,000 tokens needs")
     assert not (tmp_path / "out").exists()
-    fineweb.shard_local_files(corpus, str(tmp_path / "out"), "tiny", 7)  # the corrected rerun
+    fineweb.shard_local_files(corpus, ShardingJob(str(tmp_path / "out"), "tiny", 7))  # the corrected rerun
     check_shards(tmp_path / "out", "tiny", 7, DOCS)
 
 
@@ -616,7 +618,7 @@ def sharded_docs(tmp_path):
     """(corpus, output dir, its manifest) of DOCS sharded 7 tokens a shard."""
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "out"
-    fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+    fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     return corpus, out, json.loads((out / fineweb.MANIFEST).read_text())
 
 
@@ -629,7 +631,7 @@ def test_a_manifest_with_impossible_progress_is_refused_touching_nothing(tmp_pat
     (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, **progress}))
     before = {name: (out / name).read_bytes() for name in listdir(out)}
     with pytest.raises(fineweb.InputError, match=f"unreadable manifest \\(impossible progress: .*{problem}"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     assert {name: (out / name).read_bytes() for name in listdir(out)} == before
 
 
@@ -658,11 +660,11 @@ def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_p
     assert manifest["shards"] == 2 and manifest["document"] == 0 and manifest["skip"] == 14  # DOCS[0] spans them
     rewrite_same_size(corpus, ["short"])
     with pytest.raises(fineweb.InputError, match=r"resumes 12 tokens past the end of"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     assert (out / "tiny_val_000000.npy").exists()  # the recorded shards stay
     os.remove(out / "tiny_train_000001.npy")
     with pytest.raises(fineweb.InputError, match="records 2 shards, but tiny_train_000001.npy is missing"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
 
 
 @pytest.mark.parametrize("progress, problem", [
@@ -693,7 +695,7 @@ def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path, 
     out.joinpath(fineweb.MANIFEST).write_text(json.dumps(manifest | {"shards": 1, "document": 1, "skip": 0}))
     os.remove(out / "tiny_train_000001.npy")
     with pytest.raises(fineweb.InputError, match=rf"resumes at document 1 past the end of {corpus}: "):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
     assert sorted(listdir(out)) == sorted([fineweb.MANIFEST, "tiny_val_000000.npy"])  # the recorded shard stays
 
 
@@ -708,12 +710,12 @@ def test_counters_that_disagree_with_the_shards_are_refused_touching_nothing(tmp
         (out / fineweb.MANIFEST).write_text(json.dumps(manifest | lie))
         before = {name: (out / name).read_bytes() for name in listdir(out)}
         with pytest.raises(fineweb.InputError, match=rf"unreadable manifest \({re.escape(problem)}"):
-            fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+            fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
         assert {name: (out / name).read_bytes() for name in listdir(out)} == before
     (out / fineweb.MANIFEST).write_text(json.dumps(manifest))
     fineweb.write_shard(str(out / "tiny_train_000001.npy"), np.full(5, EOT))
     with pytest.raises(fineweb.InputError, match=r"unreadable manifest \(tiny_train_000001.npy holds 5 tokens, not 7\)"):
-        fineweb.shard_local_files(corpus, str(out), "tiny", 7)
+        fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
 
 
 def test_a_shard_the_manifest_does_not_list_is_refused(tmp_path):
