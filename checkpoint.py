@@ -120,8 +120,9 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     config = asdict(raw_model.config)
     if not isinstance(state["config"], dict):
         raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
-    if state["config"] != config:
-        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
+    saved = model_fields(path, state["config"])
+    if saved != config:
+        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in saved.items() if config.get(k) != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
                               f"flags, or start over: --resume none (which moves the earlier run's files aside), "
                               f"or another --log_dir")
@@ -459,9 +460,22 @@ def model_of(path, config, **options):
     """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError;
     options: how it runs, as GPT's."""
     try:
-        return GPT(GPTConfig(**config), **options)
+        return GPT(GPTConfig(**model_fields(path, config)), **options)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
+
+
+def model_fields(path, config):
+    """A checkpoint's config as GPTConfig's fields today: the "dropout": 0.0 that checkpoints
+    written before GPTConfig lost the field hold is dropped; any other dropout, which this GPT
+    cannot apply, is a CheckpointError."""
+    if not isinstance(config, dict) or "dropout" not in config:
+        return config
+    fields = {k: v for k, v in config.items() if k != "dropout"}
+    if config["dropout"] != 0:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has dropout {config['dropout']!r}, "
+                              f"and this GPT has no dropout)")
+    return fields
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints

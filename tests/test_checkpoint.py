@@ -179,6 +179,35 @@ def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy
     assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
 
 
+def with_dropout(ckpt, dropout):
+    """ckpt (sharded) with "dropout" in its config, as GPTConfig held it before it lost the field."""
+    state = checkpoint.load_checkpoint(str(ckpt))
+    torch.save({**state, "config": {**state["config"], "dropout": dropout}}, ckpt / checkpoint.TRAIN_STATE)
+
+
+def test_the_dropout_0_of_older_checkpoints_loads_and_any_other_is_one_line(copy, sharded_run, shards, tmp_path,
+                                                                           capsys):
+    """Every checkpoint written before GPTConfig lost its dropout holds "dropout": 0.0: each reader and
+    --resume take it as before. Another dropout is one that this GPT, which has none, cannot apply."""
+    idx = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 16))
+    expected = loading.load_model(str(copy / "ckpt_000004"))(idx)[0]
+    with_dropout(copy / "ckpt_000004", 0.0)
+    assert torch.equal(loading.load_model(str(copy / "ckpt_000004"))(idx)[0], expected)
+    one_file = tmp_path / "one_file.pt"
+    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    assert torch.load(one_file)["config"]["dropout"] == 0.0
+    assert torch.equal(loading.load_model(str(one_file))(idx)[0], expected)
+    with_dropout(copy / "ckpt_000002", 0.0)
+    records = train(shards, tmp_path / "resumed", *RUN, "--resume", copy / "ckpt_000002")
+    assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], records)
+    capsys.readouterr()
+    with_dropout(copy / "ckpt_000004", 0.1)
+    refusal = "not a checkpoint of this GPT (its config has dropout 0.1, and this GPT has no dropout)"
+    assert_every_reader_refuses(copy / "ckpt_000004", tmp_path, capsys, refusal)
+    assert refusal in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume",
+                               copy / "ckpt_000004")
+
+
 def edit_metadata(ckpt, edit):
     """Rewrites ckpt's .metadata as edit(metadata) leaves it: DCP's own classes, lying values."""
     metadata = read_metadata(ckpt)
