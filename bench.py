@@ -684,8 +684,8 @@ def bench_hellaswag(args, device, record):
     dtype = pick_dtype(args.dtype, device_type)
     examples = synthetic_examples(n)
     variants = {
-        "batched": lambda chunk: hellaswag.count_correct(model, chunk, device, batch_size, dtype),
-        "unbatched": lambda chunk: hellaswag.count_correct(model, chunk, device, 1, dtype),
+        "batched": lambda chunk: hellaswag.count_correct(model, chunk, hellaswag.ScoringConfig(device, batch_size, dtype)),
+        "unbatched": lambda chunk: hellaswag.count_correct(model, chunk, hellaswag.ScoringConfig(device, 1, dtype)),
         "baseline": lambda chunk: score_unbatched_full_logits(model, chunk, device, dtype),
     }
     if not args.baseline:

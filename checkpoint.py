@@ -4,9 +4,9 @@ A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss s
 data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's args
 (checkpoint_contents). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
-- ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory whose model and optimizer
-  every rank writes its own shards of (under FSDP), beside train_state.pt with the rest; its
-  shards are read as plain data by dcp_reader.py.
+- ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory into whose storage files
+  every rank writes its own slices of the model and the optimizer (under FSDP), beside
+  train_state.pt with the rest; the storage files are read as plain data by dcp_reader.py.
 Every reader goes through load_checkpoint; a run resumes through restore_training, from
 either kind, sharded or not, on any number of ranks.
 
@@ -120,8 +120,9 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     config = asdict(raw_model.config)
     if not isinstance(state["config"], dict):
         raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
-    if state["config"] != config:
-        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in state["config"].items() if config.get(k) != v)
+    saved = model_fields(path, state["config"])
+    if saved != config:
+        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in saved.items() if config.get(k) != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
                               f"flags, or start over: --resume none (which moves the earlier run's files aside), "
                               f"or another --log_dir")
@@ -232,7 +233,7 @@ def is_sharded_checkpoint(path):
 
 
 def save_dcp(path, model, optimizer, state, async_save=False):
-    """Writes a sharded checkpoint on every rank: each rank its own shards of the model and of
+    """Writes a sharded checkpoint on every rank: each rank its own slices of the model and of
     the optimizer's state, in parallel, rank 0 also state (train_state's). The directory is written as
     PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
     the tensors copied to host memory, and the writing goes on in a thread: the returned future
@@ -241,7 +242,7 @@ def save_dcp(path, model, optimizer, state, async_save=False):
     partial = path + ".partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
     error = save_train_state(partial, state) if rank == 0 else None
-    if dist.is_initialized():  # also: the directory exists, empty of older shards, before any rank writes
+    if dist.is_initialized():  # also: the directory exists, empty of older storage files, before any rank writes
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
         error = shared[0]
@@ -312,7 +313,8 @@ def save_train_state(partial, state):
 
 def load_sharded(path, model, optimizer=None):
     """Reads a sharded checkpoint's model (and the optimizer's state) into model, sharded or not, on any
-    number of ranks or in one process: DCP reads each rank the pieces of the shards it holds."""
+    number of ranks or in one process: DCP reads each rank only the pieces of the storage files
+    that its slices hold."""
     if optimizer is None:
         tensors = {"model": get_model_state_dict(model)}
         dcp_load(tensors, path)
@@ -328,7 +330,7 @@ def load_sharded(path, model, optimizer=None):
 
 def load_whole_into_sharded(state, model, optimizer):
     """A one-file checkpoint (every rank has read all of it) into a sharded model: each rank keeps
-    its shards. Its optimizer state is keyed by the parameters' order in each optimizer; DCP's
+    its own slices. Its optimizer state is keyed by the parameters' order in each optimizer; DCP's
     loader wants their names, and takes several optimizers' state as one."""
     names = {id(p): name for name, p in plain_state_dict(dict(model.named_parameters())).items()}
     by_name = {"state": {}, "param_groups": []}
@@ -369,7 +371,7 @@ def room_problem(directory, states):
 
 
 def tensors_in(obj):
-    """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's shard."""
+    """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's local piece."""
     if isinstance(obj, DTensor):
         yield obj.to_local()
     elif isinstance(obj, torch.Tensor):
@@ -388,7 +390,7 @@ def load_checkpoint(path, map_location="cpu"):
     sharded checkpoint, only train_state.pt: its tensors are read into a model by
     restore_training or loading.load_model."""
     if is_sharded_checkpoint(path):
-        check_storage_files(path, read_metadata(path).storage_data)  # what can be checked without reading the shards
+        check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
         return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
     return _load_plain(path, map_location)
 
@@ -459,9 +461,22 @@ def model_of(path, config, **options):
     """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError;
     options: how it runs, as GPT's."""
     try:
-        return GPT(GPTConfig(**config), **options)
+        return GPT(GPTConfig(**model_fields(path, config)), **options)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
+
+
+def model_fields(path, config):
+    """A checkpoint's config as GPTConfig's fields today: the "dropout": 0.0 that checkpoints
+    written before GPTConfig lost the field hold is dropped; any other dropout, which this GPT
+    cannot apply, is a CheckpointError."""
+    if not isinstance(config, dict) or "dropout" not in config:
+        return config
+    fields = {k: v for k, v in config.items() if k != "dropout"}
+    if config["dropout"] != 0:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has dropout {config['dropout']!r}, "
+                              f"and this GPT has no dropout)")
+    return fields
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
@@ -469,8 +484,8 @@ def model_of(path, config, **options):
 class Checkpointer:
     """When and how a run saves and resumes (as torchtitan's CheckpointManager): every interval
     steps and at the end, only finite weights, only where every rank's disk has room, one file
-    from rank 0 or (sharded) shards from every rank, in the background with async_save, the
-    oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
+    from rank 0 or (sharded) storage files from every rank, in the background with async_save,
+    the oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
 
     def __init__(self, log_dir, interval, keep_last, sharded=False, async_save=False, log=print):
         self.log_dir, self.interval, self.keep_last = log_dir, interval, keep_last
@@ -538,7 +553,7 @@ class Checkpointer:
         loader;
         returns the step to start from. Every rank reads the checkpoint itself, so all must find
         the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
-        checkpoint whose shards cannot be read (damage shows only then) is passed over for the
+        checkpoint whose storage files cannot be read (damage shows only then) is passed over for the
         next older one, which overwrites whatever the failed restore had loaded."""
         found = find_resume(resume, self.log_dir)
         while True:

@@ -34,13 +34,14 @@ class CheckpointError(Exception):
 
 
 class UnreadableStorage(CheckpointError):
-    """A sharded checkpoint whose shards cannot be read into this model: found only as they are read."""
+    """A sharded checkpoint whose storage files cannot be read into this model: found only as they are read."""
 
 
 def dcp_load(tensors, path):
-    """DCP's load, reading nothing but plain data: the metadata, every entry's kind and shape and
-    every shard's bytes are checked before a byte of the shards is read (PlainDataPlanner,
-    PlainDataReader), on every rank alike. Any refusal or damage is one UnreadableStorage."""
+    """DCP's load, reading nothing but plain data: the metadata, every entry's kind and shape, and
+    every piece's bounds in its storage file are checked before a byte of the storage files is read
+    (PlainDataPlanner, PlainDataReader), on every rank alike. Any refusal or damage is one
+    UnreadableStorage."""
     planner, reader = PlainDataPlanner(path), PlainDataReader(path)
     try:
         metadata = reader.read_metadata()
@@ -51,7 +52,7 @@ def dcp_load(tensors, path):
             dcp.load(tensors, storage_reader=reader, planner=planner)
     except CheckpointError as e:
         raise UnreadableStorage(str(e)) from None
-    except CheckpointException as e:  # a damaged shard, on some rank: every rank hears of it
+    except CheckpointException as e:  # a damaged storage file, on some rank: every rank hears of it
         errors = [error for error, _ in e.failures.values()]
         found = next((str(x) for x in errors if isinstance(x, CheckpointError)), None)
         raise UnreadableStorage(found or f"{path}: damaged sharded checkpoint ({first_line(errors[0])})") from None
@@ -141,8 +142,8 @@ class PlainDataPlanner(DefaultLoadPlanner):
 
 class PlainDataReader(FileSystemReader):
     """DCP's file reader, but the metadata is read by read_metadata, every piece it places must lie
-    within a regular file of the directory before any is read, and a shard that fails to load is
-    named."""
+    within a regular file of the directory before any is read, and a storage file that fails to
+    load is named."""
 
     metadata = None  # read once: dcp_load's up-front checks ask for it, then DCP itself
 
@@ -160,7 +161,8 @@ class PlainDataReader(FileSystemReader):
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
             if info is None:
-                raise CheckpointError(f"{self.path}: damaged: its .metadata places no shard for {item.storage_index.fqn}")
+                raise CheckpointError(f"{self.path}: damaged: its .metadata places {item.storage_index.fqn} "
+                                      f"in no storage file")
             by_file.setdefault(info.relative_path, []).append(item)
         for name, items in by_file.items():
             try:
@@ -168,7 +170,8 @@ class PlainDataReader(FileSystemReader):
             except CheckpointError:
                 raise
             except Exception as e:  # zeroed or overwritten bytes
-                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged shard ({load_error(e)})") from None
+                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged storage file "
+                                      f"({load_error(e)})") from None
         done = Future()
         done.set_result(None)
         return done
@@ -182,7 +185,7 @@ def check_storage_files(path, storage_data):
     for info in storage_data.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not is_file_name(name):
-            raise CheckpointError(f"{path}: refused: its .metadata places a shard at {brief(name)}, "
+            raise CheckpointError(f"{path}: refused: its .metadata names {brief(name)} as a storage file, "
                                   f"not a file directly in the directory")
         file = os.path.join(path, name)
         if getattr(info, "transform_descriptors", None):
@@ -191,16 +194,16 @@ def check_storage_files(path, storage_data):
             try:
                 mode_size = os.lstat(file)  # a link could lead anywhere
             except OSError as e:
-                raise CheckpointError(f"{file}: missing shard ({first_line(e)})") from None
+                raise CheckpointError(f"{file}: missing storage file ({first_line(e)})") from None
             if not stat.S_ISREG(mode_size.st_mode):
                 kind = "a symbolic link" if stat.S_ISLNK(mode_size.st_mode) else "not a regular file"
-                raise CheckpointError(f"{file}: {kind}, not a regular file: no shard that train_gpt2.py writes")
+                raise CheckpointError(f"{file}: {kind}, not a regular file: no storage file that train_gpt2.py writes")
             sizes[name] = mode_size.st_size
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (type(offset) is int and type(length) is int and 0 <= offset and 0 <= length
                 and offset + length <= sizes[name]):
-            raise CheckpointError(f"{file}: truncated or damaged shard ({brief(length)} bytes at {brief(offset)} in "
-                                  f"its .metadata; the file holds {sizes[name]})")
+            raise CheckpointError(f"{file}: truncated or damaged storage file ({brief(length)} bytes at "
+                                  f"{brief(offset)} in its .metadata; the file holds {sizes[name]})")
 
 
 def is_file_name(name):

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import urllib.request
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -232,12 +233,21 @@ def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
         yield [key for key, _ in batch], total.cpu(), mean.cpu()
 
 
-def count_correct(model, examples, device, batch_size=16, dtype=torch.float32, rank=0, world_size=1,
-                  progress=False, equal_shares=False):
-    """Scores this rank's share, examples[rank::world_size], and returns its LOCAL counts
-    {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
-    given: the caller puts it on device and in eval mode. equal_shares: every rank runs as many
-    forward passes (under FSDP each one gathers weights from all ranks), a short share being
+@dataclass(frozen=True)
+class ScoringConfig:
+    """How count_correct runs, alike on every rank (which examples a rank scores is
+    count_correct's rank, world_size and equal_shares)."""
+    device: str  # the device the caller put the model on: "cpu", "cuda:0", ...
+    batch_size: int = 16  # examples (of 4 rows each) per forward pass
+    dtype: torch.dtype = torch.float32  # autocast's
+    progress: bool = False  # a progress meter on stderr
+
+
+def count_correct(model, examples, config, rank=0, world_size=1, equal_shares=False):
+    """Scores this rank's share, examples[rank::world_size], as config says, and returns its LOCAL
+    counts {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
+    given: the caller puts it on config.device and in eval mode. equal_shares: every rank runs as
+    many forward passes (under FSDP each one gathers weights from all ranks), a short share being
     padded with repeats of an example that are scored but not counted."""
     share = examples[rank::world_size]
     n = len(share)
@@ -247,8 +257,8 @@ def count_correct(model, examples, device, batch_size=16, dtype=torch.float32, r
     sum_loss, mean_loss = torch.zeros(len(share), N_ENDINGS), torch.zeros(len(share), N_ENDINGS)
     rows_left = [N_ENDINGS] * len(share)
     done = correct = correct_norm = 0
-    bar = progress_meter("hellaswag", "ex", total=n, disable=not progress)
-    for keys, total, mean in score_batches(model, share, device, batch_size, dtype):
+    bar = progress_meter("hellaswag", "ex", total=n, disable=not config.progress)
+    for keys, total, mean in score_batches(model, share, config.device, config.batch_size, config.dtype):
         i, j = torch.tensor(keys).T
         sum_loss[i, j], mean_loss[i, j] = total, mean
         finished = []  # counted examples whose last row was in this batch
@@ -312,7 +322,7 @@ def main(argv=None):
         parser.fail(f"{args.model}: {e}")
 
     dtype = pick_dtype(args.dtype, torch.device(device).type)
-    result = count_correct(model, examples, device, args.batch_size, dtype, progress=True)
+    result = count_correct(model, examples, ScoringConfig(device, args.batch_size, dtype, progress=True))
     result["acc"] = result["correct"] / result["n"]
     result["acc_norm"] = result["correct_norm"] / result["n"]
     print(f"{args.model} on {args.data or 'hellaswag ' + args.split}: {result['n']} examples, "

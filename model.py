@@ -18,12 +18,14 @@ from tokenizer import N_VOCAB
 
 @dataclass
 class GPTConfig:
+    """What the model is: all that a checkpoint's config records of it. No dropout, as in
+    build-nanogpt; checkpoints written before the field went hold "dropout": 0.0, which
+    checkpoint.model_fields drops."""
     block_size: int = 1024  # longest sequence the position embedding covers
     vocab_size: int = 50257  # rows of the token embedding; 50304 when padded for speed
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms, as in GPT-2
 
     def __post_init__(self):  # a config read from a file fails here, in one line, not deep in a layer
@@ -69,7 +71,7 @@ def padding_mask(n_pad, start, T):
 
 def recomputed(fn, on):
     """fn, or, when on and gradients are being recorded, fn run again in the backward pass instead
-    of its activations kept. Non-reentrant: the RNG state is replayed, so dropout masks match."""
+    of its activations kept. Non-reentrant, the form torch recommends."""
     return partial(checkpoint, fn, use_reentrant=False) if on and torch.is_grad_enabled() else fn
 
 
@@ -139,11 +141,9 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = recompute_core  # SDPA run again in the backward pass
         self.n_head = config.n_head
         self.n_embd = config.n_embd
-        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_PROJECTION = True
-        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, kv_cache=None, mask=None):
         """kv_cache: this layer's [keys, values] of earlier positions, extended in place
@@ -161,7 +161,7 @@ class CausalSelfAttention(nn.Module):
             kv_cache[:] = [k, v]
         y = recomputed(self.core, self.recompute_core)(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.c_proj(y)
 
     def core(self, q, k, v, mask):
         # A fused kernel (flash, cuDNN); a lone new query may see every earlier position, so needs no mask. An
@@ -169,8 +169,7 @@ class CausalSelfAttention(nn.Module):
         # The backends are chosen here, inside the forward: a compiled graph picks its kernel when
         # traced, and does not see an sdpa_kernel context around the call.
         with sdpa_kernel(self.kernels) if self.kernels else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
-                                                  dropout_p=self.dropout if self.training else 0.0)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1)
 
 
 class MLP(nn.Module):
@@ -180,10 +179,9 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_PROJECTION = True
-        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.c_proj(self.gelu(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -216,7 +214,6 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, recompute if i % recompute_every == 0 else "none", attention)
                              for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -269,7 +266,7 @@ class GPT(nn.Module):
         if n_pad is not None:
             mask = padding_mask(n_pad, start, T)
             pos = (pos - n_pad[:, None]).clamp(min=0)  # (B, T); the padding's own positions do not matter
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)

@@ -12,8 +12,8 @@ AdamW, in configure_optimizers' two groups.
 
 Under FSDP2 (--fsdp 1) the matrices are DTensors: torch.optim.Muon's Newton-Schulz matmuls are
 DTensor ops, which DTensor carries out across the ranks, so 2 ranks step as one process does.
-The trainer then has sharding.py shard c_attn by columns, so that its q, k and v row blocks are
-views of each rank's shard.
+The trainer then has sharding.py split c_attn over the ranks by columns, so that its q, k and v
+row blocks are views of each rank's slice.
 
 The schedule: train_step sets each group's lr to the schedule's lr(step), times the group's "lr_scale" where
 it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with

@@ -19,9 +19,9 @@ from model import GPT
 
 
 def apply_fsdp(model, dtype, compile_mode=None, qkv_by_columns=False):
-    """Shards model in place: each Block, then the root, each weight by rows; with qkv_by_columns,
-    attention's c_attn weight by columns, so that its q, k and v row blocks are views of each
-    rank's shard (--optimizer muon orthogonalizes them apart). Under bf16 or fp16 the weights are
+    """Applies FSDP2 to model in place: each Block, then the root, each weight split over the
+    ranks by rows; with qkv_by_columns, attention's c_attn weight by columns, so that its q, k and
+    v row blocks are views of each rank's slice (--optimizer muon orthogonalizes them apart). Under bf16 or fp16 the weights are
     gathered and computed in that dtype while the sharded masters stay float32, and gradients
     are reduced in float32. compile_mode compiles each Block's forward, as torchtitan compiles each
     block: FSDP's hooks stay outside the graph, which the blocks share (one compilation), and the
@@ -79,7 +79,7 @@ def build_on_meta(config, **options):
 
 def materialize(model, init, device):
     """Allocates a sharded model that build_on_meta built on device, and replays its
-    initialisation one full parameter at a time on the CPU, keeping this rank's shard of each.
+    initialisation one full parameter at a time on the CPU, keeping this rank's slice of each.
     Every call is replayed, in order, from the same RNG state, so the draws are those of
     GPT(config) built in one process; a parameter takes the value of the last call that wrote it."""
     calls, rng_state = init
@@ -93,8 +93,8 @@ def materialize(model, init, device):
             func(*[full if a is target else a for a in args], **{k: full if v is target else v for k, v in kwargs.items()})
             if name is not None and last_write[name] == i:
                 param = params[name]
-                shard_of_full = distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(shard_of_full.to_local())
+                spread = distribute_tensor(full.to(device), param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(spread.to_local())
 
 
 @contextmanager

@@ -685,8 +685,8 @@ def hellaswag_accuracy(trainable, examples, rank, world_size):
     trainable.raw_model.eval()
     fsdp = sharding.is_sharded(trainable.raw_model)
     with sharding.root_gathered(trainable.raw_model):
-        counts = hellaswag.count_correct(trainable.raw_model, examples, trainable.device, dtype=trainable.dtype, rank=rank,
-                                    world_size=world_size, progress=rank == 0, equal_shares=fsdp)
+        scoring = hellaswag.ScoringConfig(trainable.device, dtype=trainable.dtype, progress=rank == 0)
+        counts = hellaswag.count_correct(trainable.raw_model, examples, scoring, rank, world_size, equal_shares=fsdp)
     trainable.raw_model.train()
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=trainable.device, dtype=torch.long)
     if dist.is_initialized():

@@ -143,18 +143,18 @@ def to_dev_zero(path):
     os.symlink("/dev/zero", path)
 
 
-SHARD = "__0_0.distcp"  # what save_dcp writes in one process
+STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
 
 
 @pytest.mark.parametrize("damage, file, expected", [
-    (os.remove, SHARD, "missing shard"),
-    (zero, SHARD, "damaged shard (UnpicklingError"),
-    (truncate, SHARD, "truncated or damaged shard"),
-    (to_dev_zero, SHARD, "a symbolic link, not a regular file"),
+    (os.remove, STORAGE_FILE, "missing storage file"),
+    (zero, STORAGE_FILE, "damaged storage file (UnpicklingError"),
+    (truncate, STORAGE_FILE, "truncated or damaged storage file"),
+    (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
     (to_dev_zero, ".metadata", "a device, not a regular file"),
 ])
-def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
-                                                                           capsys, damage, file, expected):
+def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
+                                                                                  capsys, damage, file, expected):
     ckpt = copy / "ckpt_000004"
     damage(ckpt / file)
     assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
@@ -165,11 +165,11 @@ def test_a_damaged_shard_is_one_line_in_every_reader_and_skipped_by_resume(copy,
     assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], [r for r in records if r["step"] >= 2])
 
 
-def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy, tmp_path, capsys):
+def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_line(copy, tmp_path, capsys):
     ckpt = copy / "ckpt_000004"
     wider = GPT(GPTConfig(**{**TINY_CONFIG, "n_embd": 64}))
     checkpoint.save_dcp(str(tmp_path / "wider"), wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
-    for name in (".metadata", SHARD):
+    for name in (".metadata", STORAGE_FILE):
         shutil.copy(tmp_path / "wider" / name, ckpt / name)
     assert_every_reader_refuses(ckpt, tmp_path, capsys,
                                 "refused: its entry model.transformer.wte.weight has shape (256, 64), not this model's "
@@ -177,6 +177,35 @@ def test_shards_of_another_model_size_and_a_config_of_no_model_are_one_line(copy
     state = checkpoint.load_checkpoint(str(copy / "ckpt_000002"))
     torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint.TRAIN_STATE)
     assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
+
+
+def with_dropout(ckpt, dropout):
+    """ckpt (sharded) with "dropout" in its config, as GPTConfig held it before it lost the field."""
+    state = checkpoint.load_checkpoint(str(ckpt))
+    torch.save({**state, "config": {**state["config"], "dropout": dropout}}, ckpt / checkpoint.TRAIN_STATE)
+
+
+def test_the_dropout_0_of_older_checkpoints_loads_and_any_other_is_one_line(copy, sharded_run, shards, tmp_path,
+                                                                           capsys):
+    """Every checkpoint written before GPTConfig lost its dropout holds "dropout": 0.0: each reader and
+    --resume take it as before. Another dropout is one that this GPT, which has none, cannot apply."""
+    idx = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 16))
+    expected = loading.load_model(str(copy / "ckpt_000004"))(idx)[0]
+    with_dropout(copy / "ckpt_000004", 0.0)
+    assert torch.equal(loading.load_model(str(copy / "ckpt_000004"))(idx)[0], expected)
+    one_file = tmp_path / "one_file.pt"
+    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    assert torch.load(one_file)["config"]["dropout"] == 0.0
+    assert torch.equal(loading.load_model(str(one_file))(idx)[0], expected)
+    with_dropout(copy / "ckpt_000002", 0.0)
+    records = train(shards, tmp_path / "resumed", *RUN, "--resume", copy / "ckpt_000002")
+    assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], records)
+    capsys.readouterr()
+    with_dropout(copy / "ckpt_000004", 0.1)
+    refusal = "not a checkpoint of this GPT (its config has dropout 0.1, and this GPT has no dropout)"
+    assert_every_reader_refuses(copy / "ckpt_000004", tmp_path, capsys, refusal)
+    assert refusal in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume",
+                               copy / "ckpt_000004")
 
 
 def edit_metadata(ckpt, edit):
@@ -209,7 +238,7 @@ def test_chunks_that_do_not_tile_a_tensor_are_refused_by_every_reader_and_by_res
     assert expected in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt)
 
 
-def shard_info(metadata):
+def storage_info(metadata):
     return next(iter(metadata.storage_data.values()))
 
 
@@ -223,10 +252,10 @@ def nested_list(depth):
 
 @pytest.mark.parametrize("edit, expected", [
     (lambda m: setattr(m, "storage_data", None), "damaged (not DCP's metadata)"),
-    (lambda m: setattr(shard_info(m), "relative_path", "__0_0.distcp\0"),
-     "places a shard at '__0_0.distcp\\x00', not a file directly in the directory"),
-    (lambda m: setattr(shard_info(m), "relative_path", 7), "places a shard at 7, not a file"),
-    (lambda m: setattr(shard_info(m), "offset", 10**5000), "bytes at an int in its .metadata"),
+    (lambda m: setattr(storage_info(m), "relative_path", "__0_0.distcp\0"),
+     "names '__0_0.distcp\\x00' as a storage file, not a file directly in the directory"),
+    (lambda m: setattr(storage_info(m), "relative_path", 7), "names 7 as a storage file, not a file"),
+    (lambda m: setattr(storage_info(m), "offset", 10**5000), "bytes at an int in its .metadata"),
 ])
 def test_metadata_values_of_the_wrong_type_are_one_line_in_every_reader(copy, tmp_path, capsys, edit, expected):
     ckpt = copy / "ckpt_000004"
@@ -238,11 +267,11 @@ def test_metadata_values_of_the_wrong_type_are_one_line_in_every_reader(copy, tm
 def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
     """The refusal names it by its type: formatting it would never end, nor its memory stop growing."""
     ckpt = copy / "ckpt_000004"
-    edit_metadata(ckpt, lambda m: setattr(shard_info(m), "relative_path", nested_list(60)))
+    edit_metadata(ckpt, lambda m: setattr(storage_info(m), "relative_path", nested_list(60)))
     assert os.path.getsize(ckpt / ".metadata") < 100_000
     message = one_line_error(run_bounded("checkpoint.py", ckpt, tmp_path / "out.pt"))
-    assert message == (f"checkpoint.py: error: {ckpt}: refused: its .metadata places a shard at a list, not a file "
-                       f"directly in the directory")
+    assert message == (f"checkpoint.py: error: {ckpt}: refused: its .metadata names a list as a storage file, "
+                       f"not a file directly in the directory")
 
 
 def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys, monkeypatch):
@@ -253,11 +282,11 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-def test_a_shard_that_is_a_link_is_refused_even_to_a_good_shard(copy, tmp_path, capsys):
+def test_a_storage_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys):
     ckpt = copy / "ckpt_000004"
-    shutil.move(ckpt / SHARD, tmp_path / "elsewhere.distcp")
-    os.symlink(tmp_path / "elsewhere.distcp", ckpt / SHARD)
-    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / SHARD}: a symbolic link, not a regular file")
+    shutil.move(ckpt / STORAGE_FILE, tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", ckpt / STORAGE_FILE)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / STORAGE_FILE}: a symbolic link, not a regular file")
 
 
 def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():

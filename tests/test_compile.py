@@ -32,5 +32,5 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
                             train_gpt2.train_step(t, train, 1e-3).loss,
                             train_gpt2.train_step(t, train, 1e-3).loss]
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
-    # One graph for training and one for evaluation (no grad, dropout off); back to training reuses the first.
+    # One graph for training and one for evaluation (no grad, eval mode); back to training reuses the first.
     assert counter.frame_count == 2

@@ -15,7 +15,7 @@ from loading import load_model
 from cli import MAX_LINE_CHARS
 from helpers import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
                       write_jsonl)
-from hellaswag import HellaSwagError, count_correct, load_examples, read_examples, score_batches
+from hellaswag import HellaSwagError, ScoringConfig, count_correct, load_examples, read_examples, score_batches
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, get_encoding
 
@@ -164,25 +164,26 @@ def test_sum_and_mean_pick_as_defined():
     assert torch.allclose(sums, expected_sum.expand(2, 4), atol=1e-4)
     assert torch.allclose(means, expected_mean.expand(2, 4), atol=1e-4)
     # Label 0 is right by the sum only, label 1 by the mean only.
-    assert count_correct(model, examples[:1], "cpu") == {"n": 1, "correct": 1, "correct_norm": 0}
-    assert count_correct(model, examples[1:], "cpu") == {"n": 1, "correct": 0, "correct_norm": 1}
+    assert count_correct(model, examples[:1], ScoringConfig("cpu")) == {"n": 1, "correct": 1, "correct_norm": 0}
+    assert count_correct(model, examples[1:], ScoringConfig("cpu")) == {"n": 1, "correct": 0, "correct_norm": 1}
     # Over several batches (rows go longest first, so both examples finish in the last one).
-    assert count_correct(model, examples, "cpu", batch_size=1) == {"n": 2, "correct": 1, "correct_norm": 1}
+    assert count_correct(model, examples, ScoringConfig("cpu", batch_size=1)) == {"n": 2, "correct": 1,
+                                                                                  "correct_norm": 1}
 
 
 def test_rank_shares_add_up_to_the_whole(tiny, examples):
-    whole = count_correct(tiny, examples, "cpu", batch_size=2)
-    shares = [count_correct(tiny, examples, "cpu", batch_size=2, rank=r, world_size=2) for r in range(2)]
+    whole = count_correct(tiny, examples, ScoringConfig("cpu", batch_size=2))
+    shares = [count_correct(tiny, examples, ScoringConfig("cpu", batch_size=2), rank=r, world_size=2) for r in range(2)]
     assert [s["n"] for s in shares] == [3, 2]
     assert {k: shares[0][k] + shares[1][k] for k in whole} == whole
     # Each share is exactly its examples: rank 1 holds examples 1 and 3.
-    assert shares[1] == count_correct(tiny, [examples[1], examples[3]], "cpu")
+    assert shares[1] == count_correct(tiny, [examples[1], examples[3]], ScoringConfig("cpu"))
 
 
 def test_scoring_prints_progress_lines_where_no_terminal_shows_a_bar(tiny, examples, monkeypatch, capsys):
     import cli
     monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)  # a line at every batch
-    counts = count_correct(tiny, examples, "cpu", batch_size=2, progress=True)
+    counts = count_correct(tiny, examples, ScoringConfig("cpu", batch_size=2, progress=True))
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 3 and all(re.match(r"hellaswag: \d/5 ex \(\d+%\), [\d.,]+ ex/s", line) for line in lines)
     assert lines[-1].startswith("hellaswag: 5/5 ex (100%)")
@@ -306,7 +307,7 @@ def test_cli_scores_local_data_and_writes_json(tiny, examples, tmp_path):
     out = tmp_path / "result.json"
     proc = run_cli("-m", ckpt, "--data", data, "--json", str(out), "--device", "cpu", "--batch_size", "2", "--limit", "4")
     assert proc.returncode == 0, proc.stderr
-    expected = count_correct(tiny, examples[:4], "cpu")
+    expected = count_correct(tiny, examples[:4], ScoringConfig("cpu"))
     result = json.loads(out.read_text())
     assert result == {**expected, "acc": expected["correct"] / 4, "acc_norm": expected["correct_norm"] / 4}
     assert f"acc_norm {result['acc_norm']:.4f} ({expected['correct_norm']}/4)" in proc.stdout

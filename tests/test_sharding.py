@@ -138,7 +138,7 @@ import torch, torch.distributed as dist
 import distributed, sharding
 from model import GPT, GPTConfig
 dist.init_process_group("gloo")
-config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven shards
+config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven slices
 torch.manual_seed(7)
 model, init = sharding.build_on_meta(config)
 sharding.apply_fsdp(model, torch.float32)
@@ -193,7 +193,7 @@ def test_fsdp_needs_torchrun_and_async_checkpoints_need_fsdp(shards, tmp_path, c
 @pytest.mark.slow
 def test_a_one_file_checkpoint_resumes_under_fsdp(shards, tmp_path):
     """AdamW's state in a one-file checkpoint is keyed by the parameters' order; FSDP's loader
-    takes it by their names, each rank keeping its shards."""
+    takes it by their names, each rank keeping its own slices."""
     single = train(shards, tmp_path / "single", *RUN, "--max_steps", "4", "--checkpoint_interval", "2", "-B", "4")
     torchrun("--data_dir", shards, "--max_steps", "4", "--resume", tmp_path / "single" / "ckpt_000002.pt",
              "-B", "2", "--fsdp", "1", "--log_dir", tmp_path / "fsdp")
