@@ -108,7 +108,7 @@ def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=
     P = n_params(config)
     state = optimizer_bytes(config, optimizer)
     if scale.fsdp:
-        # A shard of everything, plus what is whole for a moment: the blocks gathered at once (this
+        # A rank's slice of everything, plus what is whole for a moment: the blocks gathered at once (this
         # one and the next, prefetched) and the root (embeddings), with their float32 gradients.
         root = (config.vocab_size + config.block_size) * config.n_embd + 2 * config.n_embd
         gathered = root + 2 * (P - root) // config.n_layer

@@ -305,7 +305,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda: False):
 
 def clip_grad_norm(params, max_norm):
     """Clips the gradients to max_norm (0: no clipping) and returns their norm before clipping, that
-    of the whole gradient: under FSDP each rank holds shards, and the norm is over all of them."""
+    of the whole gradient: under FSDP each rank holds slices, and the norm is over all of them."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -556,7 +556,7 @@ def build_model(cfg, device, log):
     """(model, init): a GPT of the model flags, randomly initialised, or the weights of anything
     load_model takes (OpenAI's GPT-2, a Hugging Face directory, a checkpoint), whose architecture
     then wins, on device. Under FSDP a random one is built on the meta device instead, to be
-    materialized shard by shard from init, its recorded initialisation (see sharding.py)."""
+    materialized one parameter at a time from init, its recorded initialisation (see sharding.py)."""
     options = model_options(cfg)
     if cfg.init_from == "scratch":
         if cfg.scale.fsdp:
