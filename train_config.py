@@ -109,16 +109,16 @@ class TrainConfig:
     def from_flags(cls, flags):
         """The config of the flags' values by name (vars() of the parsed flags). ValueError, from
         GPTConfig, for model sizes no GPT can have."""
+        if flags["decay_steps"] is None:
+            flags = {**flags, "decay_steps": flags["max_steps"]}
+
         def part(kind):
             return kind(**{f.name: flags[f.name] for f in fields(kind)})
-        model = GPTConfig(**{name: flags[name] for name in MODEL_FLAGS})
-        schedule = ScheduleConfig(**{f.name: flags[f.name] for f in fields(ScheduleConfig) if f.name != "decay_steps"},
-                                  decay_steps=flags["max_steps"] if flags["decay_steps"] is None else flags["decay_steps"])
         optimizer = OptimizerConfig(flags["optimizer"], flags["max_lr"], flags["weight_decay"], muon_lr=flags["muon_lr"],
                                     muon_momentum=flags["muon_momentum"], muon_weight_decay=flags["muon_weight_decay"])
-        return cls(**{name: flags[name] for name in RUN_FLAGS}, model=model, batch=part(BatchConfig), schedule=schedule, optimizer=optimizer,
-                   eval=part(EvalConfig), checkpoints=part(CheckpointConfig), scale=part(ScaleConfig),
-                   runtime=part(RuntimeConfig))
+        return cls(**{name: flags[name] for name in RUN_FLAGS}, model=GPTConfig(**{n: flags[n] for n in MODEL_FLAGS}),
+                   batch=part(BatchConfig), schedule=part(ScheduleConfig), optimizer=optimizer, eval=part(EvalConfig),
+                   checkpoints=part(CheckpointConfig), scale=part(ScaleConfig), runtime=part(RuntimeConfig))
 
     def flags(self):
         """The flags' values by name, as the trainer's parser gives them (--decay_steps resolved):
