@@ -234,14 +234,11 @@ class Trainable:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op in other dtypes
     device: str
-    dtype: torch.dtype  # autocast's; float32 is none
-    grad_accum_steps: int
-    grad_clip: float  # 0: no clipping
-    chunked_loss: bool = False  # the loss by model.chunked_cross_entropy: no whole logits tensor
+    config: StepConfig  # what it was built with: the dtype, accumulation, clipping and loss its steps use
 
     def forward_context(self):
         """Autocast, for one forward pass (and the backward it records)."""
-        return autocast(self.device.split(":")[0], self.dtype)
+        return autocast(self.device.split(":")[0], self.config.dtype)
 
 
 ATTENTION_KERNELS = {"auto": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
@@ -269,16 +266,16 @@ def train_step(trainable, loader, lr, stop_requested=lambda: False):
     trainable.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=trainable.device)
     start = loader.state_dict()
-    for micro_step in range(trainable.grad_accum_steps):
+    for micro_step in range(trainable.config.grad_accum_steps):
         if stop_requested():
             loader.load_state_dict(start)
             return None
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
-        last = micro_step == trainable.grad_accum_steps - 1
+        last = micro_step == trainable.config.grad_accum_steps - 1
         with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
             # [1]: no logits kept into the next micro-step
-            loss = trainable.model(x, y, chunked_loss=trainable.chunked_loss)[1]
-        loss = loss / trainable.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
+            loss = trainable.model(x, y, chunked_loss=trainable.config.chunked_loss)[1]
+        loss = loss / trainable.config.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
         trainable.scaler.scale(loss).backward()
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
@@ -286,7 +283,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda: False):
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
     trainable.scaler.unscale_(trainable.optimizer)
-    norm = clip_grad_norm(trainable.raw_model.parameters(), trainable.grad_clip)
+    norm = clip_grad_norm(trainable.raw_model.parameters(), trainable.config.grad_clip)
     loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
     loss = loss_sum / distributed.world_size()
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
@@ -345,8 +342,7 @@ def build_trainable(raw_model, device, config, init=None):
     # Under FSDP a rank's slice may hold an overflow that the others lack: the sharded scaler agrees on it.
     scaler = (ShardedGradScaler if config.fsdp else torch.amp.GradScaler)(device.split(":")[0],
                                                                          enabled=dtype == torch.float16)
-    return Trainable(model, raw_model, optimizer, scaler, device, dtype, config.grad_accum_steps, config.grad_clip,
-                     config.chunked_loss)
+    return Trainable(model, raw_model, optimizer, scaler, device, config)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -671,7 +667,7 @@ def estimate_val_loss(trainable, loader, steps):
     for _ in range(steps):
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
         with trainable.forward_context():
-            total += trainable.model(x, y, chunked_loss=trainable.chunked_loss)[1]
+            total += trainable.model(x, y, chunked_loss=trainable.config.chunked_loss)[1]
     if dist.is_initialized():
         dist.all_reduce(total)
     trainable.model.train()
@@ -685,7 +681,7 @@ def hellaswag_accuracy(trainable, examples, rank, world_size):
     trainable.raw_model.eval()
     fsdp = sharding.is_sharded(trainable.raw_model)
     with sharding.root_gathered(trainable.raw_model):
-        scoring = hellaswag.ScoringConfig(trainable.device, dtype=trainable.dtype, progress=rank == 0)
+        scoring = hellaswag.ScoringConfig(trainable.device, dtype=trainable.config.dtype, progress=rank == 0)
         counts = hellaswag.count_correct(trainable.raw_model, examples, scoring, rank, world_size, equal_shares=fsdp)
     trainable.raw_model.train()
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=trainable.device, dtype=torch.long)

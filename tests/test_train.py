@@ -220,7 +220,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
         raw_model = GPT(GPTConfig(**TINY_CONFIG))
         model = DDP(raw_model, gradient_as_bucket_view=True)  # as build_trainable wraps it on 2 ranks or more
         t = train_gpt2.Trainable(model, raw_model, raw_model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", torch.float32, 2, 1.0)
+                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 2))
         loader = ShardLoader(list_shards(shards, "train"), 2, 32)
         where = []  # the gradient's storage after each micro-step's accumulation
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
@@ -492,7 +492,7 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
     def step(grad_clip, scaler):
         # lr 0: the weights stay, so every call sees the same gradients; clipping leaves them in p.grad.
         t = train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, "cpu",
-                                 torch.float32, 1, grad_clip)
+                                 train_gpt2.StepConfig(torch.float32, 1, grad_clip=grad_clip))
         result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -589,7 +589,7 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
     t = train_gpt2.Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
-                             torch.float32, 2, 1.0)
+                             train_gpt2.StepConfig(torch.float32, 2))
     train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
     assert events == [("optimizer step",), ("synchronize", "cpu")]
 
@@ -601,7 +601,7 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY_CONFIG))
         return train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", torch.float32, 4, 1.0)
+                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 4))
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
     asked = iter([False, False, True])
