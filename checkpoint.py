@@ -1,7 +1,7 @@
 """Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
 A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss scaler, the step, the
-data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's args
+data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's flags
 (checkpoint_contents). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory into whose storage files
@@ -467,9 +467,8 @@ def model_of(path, config, **options):
 
 
 def model_fields(path, config):
-    """A checkpoint's config as GPTConfig's fields today: the "dropout": 0.0 that checkpoints
-    written before GPTConfig lost the field hold is dropped; any other dropout, which this GPT
-    cannot apply, is a CheckpointError."""
+    """A checkpoint's config as GPTConfig's fields: a recorded "dropout" of 0 (older checkpoints
+    hold one) is dropped; any other dropout, which this GPT cannot apply, is a CheckpointError."""
     if not isinstance(config, dict) or "dropout" not in config:
         return config
     fields = {k: v for k, v in config.items() if k != "dropout"}

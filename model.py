@@ -18,9 +18,8 @@ from tokenizer import N_VOCAB
 
 @dataclass
 class GPTConfig:
-    """What the model is: all that a checkpoint's config records of it. No dropout, as in
-    build-nanogpt; checkpoints written before the field went hold "dropout": 0.0, which
-    checkpoint.model_fields drops."""
+    """What the model is: all that a checkpoint's config records of it. It has no dropout, as
+    build-nanogpt's GPT has none (checkpoint.model_fields reads a config that records one of 0)."""
     block_size: int = 1024  # longest sequence the position embedding covers
     vocab_size: int = 50257  # rows of the token embedding; 50304 when padded for speed
     n_layer: int = 12
