@@ -18,9 +18,13 @@ class BatchConfig:
     micro_batch_size: int  # sequences per forward pass per rank
     seq_len: int
 
+    def tokens_per_pass(self, world_size):
+        """Tokens of one micro-step: a micro-batch on every rank."""
+        return self.micro_batch_size * self.seq_len * world_size
+
     def grad_accum_steps(self, world_size):
-        """Micro-steps per optimizer step: the total over one micro-batch on every rank."""
-        return self.total_batch_size // (self.micro_batch_size * self.seq_len * world_size)
+        """Micro-steps per optimizer step."""
+        return self.total_batch_size // self.tokens_per_pass(world_size)
 
 
 @dataclass(frozen=True)

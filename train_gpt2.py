@@ -203,7 +203,7 @@ def check_config(cfg, world_size):
     need(cfg.scale.recompute_every > 0, f"--recompute_every must be positive, not {cfg.scale.recompute_every}")
     need(batch.seq_len <= cfg.model.block_size,
          f"--seq_len {batch.seq_len} is longer than --block_size {cfg.model.block_size}")
-    tokens_per_pass = batch.micro_batch_size * batch.seq_len * world_size
+    tokens_per_pass = batch.tokens_per_pass(world_size)
     if batch.total_batch_size % tokens_per_pass:
         # Rounded as a fraction, not a float: a float overflows at absurd sizes.
         suggestion = max(1, round(Fraction(batch.total_batch_size, tokens_per_pass))) * tokens_per_pass
@@ -484,7 +484,7 @@ def setup(cfg):
     saving = cfg.checkpoints
     checkpointer = Checkpointer(cfg.log_dir, saving.checkpoint_interval, saving.keep_last, sharded=bool(cfg.scale.fsdp),
                                 async_save=saving.async_checkpoint, log=log)
-    start_step = checkpointer.restore(cfg.checkpoints.resume, trainable, train_loader, cfg.schedule.max_steps)
+    start_step = checkpointer.restore(saving.resume, trainable, train_loader, cfg.schedule.max_steps)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, rank == 0, mirrors)
