@@ -48,7 +48,8 @@ from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from train_gpt2 import ATTENTION_KERNELS, StepConfig, build_parser as trainer_parser, build_trainable, train_step
+from train_config import ScaleConfig, TrainConfig
+from train_gpt2 import ATTENTION_KERNELS, StepConfig, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -66,9 +67,9 @@ OPT_IN_LEVERS = ("cudnn_attention", "max_autotune", "cuda_graphs", "coordinate_d
 MEMORY_LEVERS = ("chunked_loss",) + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
 # train times the trainer's optimizer step: total_batch_size / (B*T) micro-steps. The GPU size's
-# total is the trainer's default (its parser owns the number); on a CPU and with --quick, where
+# total is the trainer's default (its config owns the number); on a CPU and with --quick, where
 # that would take minutes a step, it is SMALL_ACCUM micro-batches of each -B.
-TRAINER_TOTAL_BATCH = trainer_parser().get_default("total_batch_size")
+TRAINER_TOTAL_BATCH = TrainConfig().batch.total_batch_size
 SMALL_ACCUM = 2
 # --profile's categories, from the names of the operators (aten::..., on the CPU) and of the device's
 # kernels (on CUDA): the first whose pattern (a regular expression, searched for, case ignored) is found
@@ -399,7 +400,7 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     with torch._inductor.config.patch(levers["inductor"]):
         try:
             step = StepConfig(dtype, grad_accum_steps, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                              compile_mode=levers["compile"], chunked_loss=levers["chunked_loss"])
+                              ScaleConfig(chunked_loss=int(levers["chunked_loss"])), compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
         except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here

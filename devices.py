@@ -1,6 +1,7 @@
 """Where and in what precision to run: one answer for training, evaluation, sampling and the benchmark."""
 import os
 import re
+import sys
 import warnings
 from contextlib import nullcontext
 
@@ -11,6 +12,17 @@ from cli import first_line
 def compiled(fn, mode):
     """torch.compile(fn) in mode, one of train_gpt2.py's --compile_mode values ("default": torch's own)."""
     return torch.compile(fn, mode=None if mode == "default" else mode)
+
+
+def resolve_compile(flag, device_type, log):
+    """Whether to compile, for --compile flag (auto, 1 or 0) on device_type; log notes why auto stays off."""
+    if flag != "auto":
+        return flag == "1"
+    if device_type == "cuda" and sys.platform != "win32":
+        return True
+    if device_type == "mps" or sys.platform == "win32":
+        log(f"note: --compile auto stays off on {'Windows' if sys.platform == 'win32' else 'MPS'}")
+    return False
 
 
 def allow_tf32():

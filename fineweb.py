@@ -33,8 +33,8 @@ import pyarrow
 import pyarrow.parquet as pq
 
 from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
-from cli import Parser, UnreadableFile, progress_meter, read_text
-from data import SHARD_DTYPE, SPLITS, Shard, list_shards, shard_name, split_of, write_shard
+from cli import Parser, UnreadableFile, preset_path, progress_meter, read_config, read_text
+from data import SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
@@ -598,6 +598,21 @@ def shard_local_files(paths, job, text_field="text"):
                 "text_field": text_field}
     corpus = Corpus(identity, ", ".join(files), lambda skip: local_documents(files, text_field, skip))
     return shard_corpus(corpus, job)
+
+
+def shard_demo_corpus(data_dir):
+    """The bundled Tiny Shakespeare, sharded into data_dir if it is the demo preset's own (on first
+    use, or to complete an interrupted first sharding); returns a line saying so, or None where
+    nothing was sharded. Any other data_dir is the user's: a missing one is the trainer's error,
+    not a new folder. Raises as shard_local_files, or OSError for a shard that cannot be written."""
+    own = os.path.join(os.path.dirname(os.path.abspath(__file__)), read_config(preset_path("demo"))["data_dir"])
+    if os.path.realpath(data_dir) != os.path.realpath(own):
+        return None
+    demo = ShardingJob(data_dir, prefix="shakespeare", shard_size=32768, num_proc=1)
+    summary = shard_local_files([TINY_SHAKESPEARE], demo)
+    if summary["status"] == "already complete":
+        return None
+    return f"sharded {TINY_SHAKESPEARE} into {summary['shards']} shards in {data_dir}"
 
 
 def shard_hub_dataset(hub, job):

@@ -8,10 +8,13 @@ instead of AdamW's two moments (12 bytes for those parameters). Activations are 
 position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
 in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
 """
+import os
 import sys
 from dataclasses import dataclass
 
-from devices import device_memory
+import torch
+
+from devices import auto_device_type, device_memory, pick_dtype
 from cli import check_torch, preset_names, preset_path, read_config
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
@@ -138,6 +141,31 @@ def fit_problem(config, device, world_size=1, fsdp=False):
         return None
     return (f"a GPT of {n_params(config):,} parameters needs {need / GiB:,.0f} GiB per rank for its weights, "
             f"gradients and AdamW state; {device} has {have / GiB:,.0f} GiB")
+
+
+def print_plan(cfg):
+    """train_gpt2.py --plan: the memory per device that plan() estimates for the run of cfg (a
+    TrainConfig), on the device and in the dtype it would take (a GPU this machine lacks: bfloat16)."""
+    world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    device_type = auto_device_type() if cfg.runtime.device == "auto" else cfg.runtime.device.split(":")[0]
+    if device_type == "cuda" and cfg.runtime.dtype == "auto" and not torch.cuda.is_available():
+        dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
+    else:
+        dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    batch, scale = cfg.batch, cfg.scale
+    try:
+        if cfg.world_size_problem(world_size):
+            raise ValueError(cfg.world_size_problem(world_size))
+        estimate = plan(cfg.model, batch.micro_batch_size, batch.seq_len, scale, world_size, dtype.itemsize,
+                        cfg.optimizer.name)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
+    print(f"{n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
+          f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
+          f"micro-batch {batch.micro_batch_size}x{batch.seq_len}, chunked loss {scale.chunked_loss}, "
+          f"optimizer {cfg.optimizer.name}; per {'GPU' if device_type == 'cuda' else 'device'}:")
+    print(estimate.table())
 
 
 def largest_batch(config, gib, scale, world_size=1):

@@ -13,6 +13,7 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import generate
+from cli import setting
 from tokenizer import N_VOCAB
 
 
@@ -20,11 +21,11 @@ from tokenizer import N_VOCAB
 class GPTConfig:
     """What the model is: all that a checkpoint's config records of it. It has no dropout, as
     build-nanogpt's GPT has none (checkpoint.model_fields reads a config that records one of 0)."""
-    block_size: int = 1024  # longest sequence the position embedding covers
-    vocab_size: int = 50257  # rows of the token embedding; 50304 when padded for speed
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
+    block_size: int = setting(1024, "context length of the model")
+    vocab_size: int = setting(50257, "embedding rows: GPT-2's 50257 padded to a multiple of 128")
+    n_layer: int = setting(12, "transformer blocks")
+    n_head: int = setting(12, "attention heads per block")
+    n_embd: int = setting(768, "width of the residual stream")
     bias: bool = True  # biases in Linear layers and LayerNorms, as in GPT-2
 
     def __post_init__(self):  # a config read from a file fails here, in one line, not deep in a layer

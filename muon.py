@@ -15,13 +15,15 @@ DTensor ops, which DTensor carries out across the ranks, so 2 ranks step as one 
 The trainer then has sharding.py split c_attn over the ranks by columns, so that its q, k and v
 row blocks are views of each rank's slice.
 
-The schedule: train_step sets each group's lr to the schedule's lr(step), times the group's "lr_scale" where
-it has one. Muon's group carries lr_scale = muon_lr / max_lr, so its lr warms up and decays with
-AdamW's and peaks at muon_lr; AdamW's groups have no lr_scale, and run exactly as without Muon.
+The schedule: train_step sets each param group's lr to the schedule's lr(step) times the group's
+"lr_scale" (1 where it has none: AdamW's, whose lr is then the schedule's exactly). Muon's groups
+carry lr_scale = muon_lr / max_lr, so their lr warms up and decays with AdamW's and peaks at muon_lr.
 """
 from dataclasses import dataclass
 
 import torch
+
+from cli import check_not_negative, check_positive, setting
 
 OPTIMIZERS = ("adamw", "muon")
 # --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).
@@ -32,14 +34,28 @@ MUON_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # in e
 @dataclass(frozen=True)
 class OptimizerConfig:
     """A run's optimizer: the recipe's AdamW for every parameter, or Muon for the blocks' matrices
-    and that AdamW for the rest. lr and muon_lr are the peaks that the schedule scales."""
-    name: str = "adamw"  # one of OPTIMIZERS
-    lr: float = 6e-4
-    weight_decay: float = 0.1
+    and that AdamW for the rest. max_lr and muon_lr are the peaks that the schedule scales."""
+    name: str = setting("adamw", "adamw: AdamW for every parameter (the recipe); muon: torch.optim.Muon for the "
+                                 "blocks' four matrices (qkv, attention projection, MLP in and out), AdamW as in the "
+                                 "recipe for the rest", flag="optimizer", choices=OPTIMIZERS)
+    max_lr: float = setting(6e-4, "peak learning rate, reached after warmup")
+    weight_decay: float = setting(0.1, "AdamW weight decay of matrices and embeddings")
+    grad_clip: float = setting(1.0, "max global grad norm (0: no clipping)")
+    muon_lr: float = setting(MUON_LR, "Muon's peak lr; the schedule scales it as it scales --max_lr")
+    muon_momentum: float = setting(MUON_MOMENTUM, "Muon's (Nesterov) momentum")
+    muon_weight_decay: float = setting(MUON_WEIGHT_DECAY, "Muon's decoupled weight decay (times its lr, as AdamW's)")
     fused_adamw: bool | None = None  # AdamW's fused kernel; None: on CUDA
-    muon_lr: float = MUON_LR
-    muon_momentum: float = MUON_MOMENTUM
-    muon_weight_decay: float = MUON_WEIGHT_DECAY
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.name!r}")
+        check_positive(self, "max_lr")
+        check_not_negative(self, "weight_decay", "grad_clip")
+        if self.name == "muon":
+            check_positive(self, "muon_lr")
+            check_not_negative(self, "muon_weight_decay")
+            if not 0 <= self.muon_momentum < 1:
+                raise ValueError(f"--muon_momentum must be in [0, 1), not {self.muon_momentum}")
 
 
 def muon_params(raw_model):
@@ -128,20 +144,32 @@ class BlockMuon(torch.optim.Muon):
 def build_optimizer(raw_model, config, device_type):
     """The optimizer of an OptimizerConfig: configure_optimizers' AdamW (adamw), or a MuonAdamW
     whose AdamW is configure_optimizers' less muon_params, and whose Muon (nesterov, torch's
-    Newton-Schulz defaults) has two groups: the c_attn matrices, as q, k and v apart, then the others."""
-    if config.name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {config.name!r}")
+    Newton-Schulz defaults) has two groups: the c_attn matrices, as q, k and v apart, then the
+    others. Muon's groups carry their lr_scale, the multiple of the schedule's lr they step at."""
     matrices = muon_params(raw_model) if config.name == "muon" else []
-    adamw = raw_model.configure_optimizers(config.weight_decay, config.lr, device_type, fused=config.fused_adamw,
+    adamw = raw_model.configure_optimizers(config.weight_decay, config.max_lr, device_type, fused=config.fused_adamw,
                                            exclude=matrices)
     if config.name == "adamw":
         return adamw
     qkv = [block.attn.c_attn.weight for block in raw_model.transformer.h]
     others = [p for p in matrices if all(p is not q for q in qkv)]
-    scale = config.muon_lr / config.lr  # the schedule scales the lr of every group alike
+    scale = config.muon_lr / config.max_lr
     muon = BlockMuon([{"params": qkv, "row_blocks": 3, "lr_scale": scale}, {"params": others, "lr_scale": scale}],
                      lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=config.muon_momentum)
     return MuonAdamW(adamw, muon)
+
+
+def muon_lr(optimizer):
+    """The lr Muon's groups stepped at last, or None for an optimizer without Muon."""
+    return optimizer.muon.param_groups[0]["lr"] if isinstance(optimizer, MuonAdamW) else None
+
+
+def describe(optimizer, config):
+    """A MuonAdamW, in the line the trainer logs."""
+    matrices = [p for group in optimizer.muon.param_groups for p in group["params"]]
+    return (f"optimizer: Muon (peak lr {config.muon_lr}, momentum {config.muon_momentum}, weight decay "
+            f"{config.muon_weight_decay}) on {len(matrices)} matrices ({sum(p.numel() for p in matrices):,} "
+            f"parameters), AdamW (peak lr {config.max_lr}) on the rest")
 
 
 def optimizer_name(optimizer):

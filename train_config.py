@@ -1,22 +1,35 @@
-"""The trainer's settings as one typed config, by concern: what a run trains (the model, the
-batch, the schedule and the optimizer), how it is evaluated, how it saves and scales, and how it
-runs. train_gpt2.py builds it once, in parse_args, from its flags, the preset and --config; the
-flags' long names are its fields' names (the optimizer's aside), and flags() gives them back."""
+"""The trainer's settings, each declared once: a field of a typed config below, with its default,
+its help and, in its class's __post_init__, its check. TrainConfig() is the GPT-2 (124M) recipe.
+
+train_gpt2.py's command line is made from these fields (add_flags): a field with help is the flag
+--NAME (metadata "flag" names another, "short" adds one such as -B), of its annotated type, in a
+group of its part. A preset, a --config file and the flags override the defaults, in that order.
+To add a setting, add a field here (or to GPTConfig or OptimizerConfig, which own theirs) with
+setting(default, help), and check it in __post_init__: the flag, --help, config files, the
+checkpoint's record of the run (flags()) and from_flags follow."""
 import math
-from dataclasses import asdict, dataclass, fields
+import types
+from dataclasses import dataclass, field, fields, is_dataclass
+from fractions import Fraction
 
-from model import GPTConfig
+from cli import check_not_negative, check_positive, preset_names, setting
+from faults import parse_fault
+from model import RECOMPUTE, GPTConfig
 from muon import OptimizerConfig
+from tokenizer import PADDED_VOCAB
 
-MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # GPTConfig's fields that are flags
-RUN_FLAGS = ("preset", "config", "data_dir", "log_dir", "init_from", "grad_clip", "plan", "plan_world_size")
+PRESETS = preset_names()
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    total_batch_size: int  # tokens per optimizer step, over all ranks
-    micro_batch_size: int  # sequences per forward pass per rank
-    seq_len: int
+    """The tokens of an optimizer step, and how each rank cuts them into micro-batches."""
+    total_batch_size: int = setting(524288, "tokens per optimizer step, over all ranks")
+    micro_batch_size: int = setting(64, "sequences per forward pass per rank", short="-B")
+    seq_len: int = setting(1024, "tokens per sequence", short="-T")
+
+    def __post_init__(self):
+        check_positive(self, "total_batch_size", "micro_batch_size", "seq_len")
 
     def tokens_per_pass(self, world_size):
         """Tokens of one micro-step: a micro-batch on every rank."""
@@ -29,15 +42,22 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    max_steps: int
-    warmup_steps: int
-    decay_steps: int  # where the cosine reaches min lr (the flag's None: max_steps)
-    max_lr: float
-    min_lr_ratio: float
+    """The learning rate's linear warmup and cosine decay, from the optimizer's peak lr (--max_lr)."""
+    max_steps: int = setting(19073, "optimizer steps in the run (0: train nothing, evaluate the starting point and exit)")
+    warmup_steps: int = setting(715, "steps of linear lr warmup")
+    decay_steps: int | None = setting(None, "step at which the cosine reaches min lr (default: max_steps)")
+    min_lr_ratio: float = setting(0.1, "min lr as a fraction of max lr")
 
-    def lr(self, step):
-        """Linear warmup to max_lr, cosine decay to min_lr at decay_steps, then flat."""
-        max_lr, min_lr = self.max_lr, self.max_lr * self.min_lr_ratio
+    def __post_init__(self):
+        if self.decay_steps is None:  # the flag's default: the decay spans the run
+            object.__setattr__(self, "decay_steps", self.max_steps)
+        check_not_negative(self, "max_steps", "warmup_steps", "decay_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+
+    def lr(self, step, max_lr):
+        """Linear warmup to max_lr, cosine decay to max_lr * min_lr_ratio at decay_steps, then flat."""
+        min_lr = max_lr * self.min_lr_ratio
         if step < self.warmup_steps:
             return max_lr * (step + 1) / self.warmup_steps
         if step >= self.decay_steps:
@@ -48,90 +68,200 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    eval_interval: int  # val loss and HellaSwag every N steps and at the end (0: never)
-    val_steps: int
-    hellaswag: int  # 0 or 1
-    hellaswag_path: str | None
-    hellaswag_limit: int  # 0: all
-    sample_interval: int  # 0: never
+    """Val loss, HellaSwag and samples during the run."""
+    eval_interval: int = setting(250, "val loss and HellaSwag every N steps and at the end (0: never)")
+    val_steps: int = setting(20, "micro-batches per val loss")
+    hellaswag: int = setting(1, "HellaSwag acc_norm at every eval", choices=[0, 1])
+    hellaswag_path: str | None = setting(None, "local HellaSwag jsonl (default: download the val split once)")
+    hellaswag_limit: int = setting(0, "score only the first N examples (0: all)")
+    sample_interval: int = setting(250, "print samples every N steps and at the end (0: never)")
+
+    def __post_init__(self):
+        check_positive(self, "val_steps")
+        check_not_negative(self, "eval_interval", "hellaswag_limit", "sample_interval")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    checkpoint_interval: int  # 0: only at the end
-    keep_last: int  # 0: keep all
-    async_checkpoint: bool
-    resume: str  # auto, none or a path
+    """Checkpoints, and where a run resumes."""
+    checkpoint_interval: int = setting(5000, "checkpoint every N steps and at the end (0: only at the end)")
+    keep_last: int = setting(0, "keep only the newest N checkpoints (0: keep all)")
+    async_checkpoint: bool = setting(False, "with --fsdp 1, write checkpoints in the background while training goes on")
+    resume: str = setting("auto", "auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
+
+    def __post_init__(self):
+        check_not_negative(self, "checkpoint_interval", "keep_last")
 
 
 @dataclass(frozen=True)
 class ScaleConfig:
     """What decides a step's memory beyond the model and the batch (memory.plan's levers)."""
-    fsdp: int = 0  # 0 or 1
-    recompute: str = "none"  # one of model.RECOMPUTE
-    recompute_every: int = 1
-    chunked_loss: int = 0  # 0 or 1
+    fsdp: int = setting(0, "shard parameters, gradients and AdamW's state over the ranks (FSDP2), for models that do "
+                           "not fit under DDP; checkpoints are then sharded directories", choices=[0, 1])
+    recompute: str = setting("none", "recompute in the backward pass instead of keeping activations: the whole block, "
+                                     "its attention sublayer, or only SDPA's core (less memory, more compute)",
+                             choices=RECOMPUTE)
+    recompute_every: int = setting(1, "recompute in every Nth block only (1: all)")
+    chunked_loss: int = setting(0, "compute the loss and its gradients over chunks of positions, never a (B*T, vocab) "
+                                   "float32 tensor: less memory (on in the presets larger than gpt2-medium)",
+                                choices=[0, 1])
+
+    def __post_init__(self):
+        check_positive(self, "recompute_every")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    device: str
-    dtype: str  # a --dtype name: auto, bfloat16, float16, float32
-    compile: str  # auto, 1 or 0
-    compile_mode: str
-    attention: str  # auto, cudnn or math
-    seed: int
-    shuffle: int  # 0 or 1
-    check_data: str  # quick or full
-    max_bad_steps: int
-    wandb: bool
-    wandb_project: str
-    tensorboard: bool
-    fault: list | None  # faults.Fault, injected on purpose (--fault)
+    """Device, precision, compile, seeds, data checks, logging, and faults injected on purpose."""
+    device: str = setting("auto", "auto (cuda, else mps, else cpu), cpu, cuda, cuda:K (one process only: under "
+                                  "torchrun each takes cuda:LOCAL_RANK), mps")
+    dtype: str = setting("auto", "autocast dtype; auto: bfloat16 on CUDA from Ampere on, float16 with loss scaling "
+                                 "before, else float32", choices=["auto", "bfloat16", "float16", "float32"])
+    compile: str = setting("auto", "torch.compile the model; auto: on for CUDA", choices=["auto", "1", "0"])
+    compile_mode: str = setting("default", "torch.compile's mode: max-autotune tries more kernels, minutes longer to "
+                                           "compile", choices=["default", "max-autotune-no-cudagraphs"])
+    attention: str = setting("auto", "SDPA's kernel: auto (torch's choice: flash attention on recent GPUs), cuDNN's, "
+                                     "or the math reference", choices=["auto", "cudnn", "math"])
+    seed: int = setting(1337, "seeds the init, the data order and the samples")
+    shuffle: int = setting(1, "from the second epoch on, permute the shards and the windows within them (the first is "
+                              "in file order)", choices=[0, 1])
+    check_data: str = setting("quick", "before training, check every shard's header and token ids: quick samples the "
+                                       "ids, full reads them all", choices=["quick", "full"])
+    max_bad_steps: int = setting(5, "stop after this many non-finite steps in a row")
+    wandb: bool = setting(False, "also log to Weights & Biases (needs wandb)")
+    wandb_project: str = setting("gpt2-reproduction", "the wandb project of --wandb")
+    tensorboard: bool = setting(False, "also log to TensorBoard, in log_dir/tensorboard (needs tensorboard)")
+    fault: list | None = setting(None, "for tests of fault tolerance: nan (poison the loss), sigterm or sigkill "
+                                       "(signal itself) at STEP, on RANK or all", type=parse_fault, action="append",
+                                 metavar="KIND@STEP[:RANK]")
+
+    def __post_init__(self):
+        check_positive(self, "max_bad_steps")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), numpy's range, not {self.seed}")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    preset: str
-    config: str | None  # the --config file read after the preset, if any
-    data_dir: str
-    log_dir: str
-    init_from: str  # scratch, or weights to start from (their architecture wins over model)
-    model: GPTConfig
-    batch: BatchConfig
-    schedule: ScheduleConfig
-    optimizer: OptimizerConfig
-    grad_clip: float  # 0: no clipping
-    eval: EvalConfig
-    checkpoints: CheckpointConfig
-    scale: ScaleConfig
-    runtime: RuntimeConfig
-    plan: bool  # print the memory plan and exit
-    plan_world_size: int | None
+    """A training run: where its files are, and its settings by concern."""
+    preset: str = setting("gpt2", f"a named recipe, configs/NAME.toml, whose values become the defaults: "
+                                  f"{', '.join(PRESETS)}", choices=PRESETS, metavar="NAME")
+    config: str | None = setting(None, "a TOML file of the same form as a preset's (keys: the flags' long names "
+                                       "without dashes), read after the preset; flags given on the command line "
+                                       "override both", metavar="FILE")
+    data_dir: str = setting("edu_fineweb10B", "directory of *_train_*.npy and *_val_*.npy shards")
+    log_dir: str = setting("log", "log.jsonl and checkpoints go here")
+    init_from: str = setting("scratch", "scratch (random init), or the weights of gpt2 ... gpt2-xl, a Hugging Face "
+                                        "GPT-2 directory or a checkpoint (weights only: a fresh optimizer at step 0); "
+                                        "their architecture overrides the model flags")
+    plan: bool = setting(False, "print the estimated memory per GPU (or device) of this run, on the device and in the "
+                                "dtype it would take, then exit: no data, device or log_dir is touched")
+    plan_world_size: int | None = setting(None, "the ranks --plan assumes (default: torchrun's, else 1)")
+    # The recipe pads GPT-2's 50,257 token rows to 50,304, a multiple of 128, for faster matmuls.
+    model: GPTConfig = field(default_factory=lambda: GPTConfig(vocab_size=PADDED_VOCAB))
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self):
+        if self.plan_world_size is not None and self.plan_world_size < 1:  # 0 would read as torchrun's, or 1
+            raise ValueError(f"--plan_world_size must be positive, not {self.plan_world_size}")
+        if not self.schedule.max_steps and not self.eval.eval_interval:
+            raise ValueError("--max_steps 0 only evaluates: it needs --eval_interval above 0")
+        if self.batch.seq_len > self.model.block_size:
+            raise ValueError(f"--seq_len {self.batch.seq_len} is longer than --block_size {self.model.block_size}")
+        if self.checkpoints.async_checkpoint and not self.scale.fsdp:
+            raise ValueError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+
+    def world_size_problem(self, world_size):
+        """Why this run cannot split its batch over world_size ranks, or None."""
+        batch = self.batch
+        tokens_per_pass = batch.tokens_per_pass(world_size)
+        if batch.total_batch_size % tokens_per_pass == 0:
+            return None
+        # Rounded as a fraction, not a float: a float overflows at absurd sizes.
+        suggestion = max(1, round(Fraction(batch.total_batch_size, tokens_per_pass))) * tokens_per_pass
+        return (f"--total_batch_size {batch.total_batch_size} is not a multiple of B*T*world_size = "
+                f"{batch.micro_batch_size}*{batch.seq_len}*{world_size} = {tokens_per_pass}; "
+                f"try --total_batch_size {suggestion} or another -B")
 
     @classmethod
-    def from_flags(cls, flags):
-        """The config of the flags' values by name (vars() of the parsed flags). ValueError, from
-        GPTConfig, for model sizes no GPT can have."""
-        if flags["decay_steps"] is None:
-            flags = {**flags, "decay_steps": flags["max_steps"]}
-
-        def part(kind):
-            return kind(**{f.name: flags[f.name] for f in fields(kind)})
-        optimizer = OptimizerConfig(flags["optimizer"], flags["max_lr"], flags["weight_decay"], muon_lr=flags["muon_lr"],
-                                    muon_momentum=flags["muon_momentum"], muon_weight_decay=flags["muon_weight_decay"])
-        return cls(**{name: flags[name] for name in RUN_FLAGS}, model=GPTConfig(**{n: flags[n] for n in MODEL_FLAGS}),
-                   batch=part(BatchConfig), schedule=part(ScheduleConfig), optimizer=optimizer, eval=part(EvalConfig),
-                   checkpoints=part(CheckpointConfig), scale=part(ScaleConfig), runtime=part(RuntimeConfig))
+    def from_flags(cls, values):
+        """The config of the flags' values by name (vars() of the parsed flags, or flags()).
+        ValueError, naming the flag, for a value its part's check refuses."""
+        return build(cls, values)
 
     def flags(self):
         """The flags' values by name, as the trainer's parser gives them (--decay_steps resolved):
         what a checkpoint records of its run, and what wandb shows."""
-        top = {name: getattr(self, name) for name in RUN_FLAGS}
-        model = {name: getattr(self.model, name) for name in MODEL_FLAGS}
-        optimizer = {"optimizer": self.optimizer.name, "max_lr": self.optimizer.lr,
-                     "weight_decay": self.optimizer.weight_decay, "muon_lr": self.optimizer.muon_lr,
-                     "muon_momentum": self.optimizer.muon_momentum,
-                     "muon_weight_decay": self.optimizer.muon_weight_decay}
-        parts = (self.batch, self.schedule, self.eval, self.checkpoints, self.scale, self.runtime)
-        return {**top, **model, **optimizer, **{k: v for part in parts for k, v in asdict(part).items()}}
+        return {flag_name(f): value for f, value in flag_values(self)}
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def flag_name(f):
+    return f.metadata.get("flag", f.name)
+
+
+def parts(kind):
+    """(field, its part's class or None) of each field of a config class, in order."""
+    for f in fields(kind):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        yield f, type(default) if is_dataclass(default) else None
+
+
+def flag_values(config):
+    """(field, value) of each flag of config, its parts' included, in declaration order."""
+    for f, part in parts(type(config)):
+        if part is not None:
+            yield from flag_values(getattr(config, f.name))
+        elif "help" in f.metadata:
+            yield f, getattr(config, f.name)
+
+
+def build(kind, values):
+    """A kind (TrainConfig or one of its parts) of the flags' values by name. Every float is
+    finite: inf would train on, to fail only at the end."""
+    kwargs = {}
+    for f, part in parts(kind):
+        if part is not None:
+            kwargs[f.name] = build(part, values)
+        elif "help" in f.metadata:
+            value = values[flag_name(f)]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{flag_name(f)} must be a finite number, not {value}")
+            kwargs[f.name] = value
+    try:
+        return kind(**kwargs)
+    except ValueError as e:  # GPTConfig names its fields plainly: they are a checkpoint's too
+        raise ValueError(str(e) if str(e).startswith("-") else f"--{e}") from None
+
+
+def add_flags(parser, config=None):
+    """The flags of a TrainConfig's fields, config's values (default: TrainConfig()) their defaults,
+    in one argument group per part."""
+    config = TrainConfig() if config is None else config
+    for f, part in parts(type(config)):
+        if part is not None:
+            group = parser.add_argument_group(f.name, " ".join(part.__doc__.split()).split(". ")[0].rstrip("."))
+            for sub, value in flag_values(getattr(config, f.name)):
+                add_flag(group, sub, value)
+        elif "help" in f.metadata:
+            add_flag(parser, f, getattr(config, f.name))
+
+
+def add_flag(parser, f, value):
+    default = None if f.default is None else value  # a None default stays None: __post_init__ derives it
+    options = {k: v for k, v in f.metadata.items() if k not in ("flag", "short")}
+    names = [f.metadata["short"]] if "short" in f.metadata else []
+    kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type  # int | None: int
+    if kind is bool:
+        options["action"] = "store_true"
+    elif "action" not in options and kind in (int, float):
+        options["type"] = kind
+    parser.add_argument(*names, f"--{flag_name(f)}", default=default, **options)
+

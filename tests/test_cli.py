@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cli
+import train_config
 import train_gpt2
 from cli import MAX_CONFIG_BYTES, preset_names
 from helpers import REPO, error_of, exit_message, one_line_error, run_bounded
@@ -23,8 +24,8 @@ def write(path, text):
 def test_a_config_sets_defaults_that_flags_override(tmp_path):
     config = write(tmp_path / "run.toml", 'n_layer = 3\nmax_lr = 1\ndevice = "cpu"\nplan = true\nlog_dir = "x"\n')
     cfg = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
-    assert (cfg.model.n_layer, cfg.schedule.max_lr, cfg.runtime.device, cfg.plan, cfg.log_dir) == (3, 1.0, "cpu", True, "y")
-    assert isinstance(cfg.schedule.max_lr, float) and cfg.optimizer.lr == cfg.schedule.max_lr
+    assert (cfg.model.n_layer, cfg.optimizer.max_lr, cfg.runtime.device, cfg.plan, cfg.log_dir) == (3, 1.0, "cpu", True, "y")
+    assert isinstance(cfg.optimizer.max_lr, float)
     assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
 
 
@@ -54,11 +55,37 @@ def test_the_typed_config_holds_every_flag_and_gives_each_back():
     flags = cfg.flags()
     assert sorted(flags) == sorted(dests)
     assert train_gpt2.TrainConfig.from_flags(flags) == cfg
-    assert (cfg.model.n_layer, cfg.batch.micro_batch_size, cfg.optimizer.lr, cfg.schedule.max_lr) == (3, 5, 0.5, 0.5)
+    assert (cfg.model.n_layer, cfg.batch.micro_batch_size, cfg.optimizer.max_lr) == (3, 5, 0.5)
     assert (cfg.optimizer.muon_lr, cfg.eval.val_steps, cfg.checkpoints.keep_last, cfg.scale.recompute) == \
         (0.25, 7, 2, "attn")
     assert (cfg.runtime.attention, cfg.runtime.fault, cfg.eval.hellaswag_path) == ("math", [("nan", 3, 1)], "h.jsonl")
     assert cfg.schedule.decay_steps == cfg.schedule.max_steps == 19073  # --decay_steps' None
+
+
+def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once():
+    """TrainConfig() is what the trainer runs with no flags; each flag is one field of one part."""
+    cfg = train_config.TrainConfig()
+    assert train_gpt2.parse_args([]) == cfg
+    names = [train_config.flag_name(f) for f, _ in train_config.flag_values(cfg)]
+    assert len(names) == len(set(names)) == len(cfg.flags())
+    assert (cfg.optimizer.max_lr, cfg.schedule.lr(714, cfg.optimizer.max_lr), cfg.batch.micro_batch_size) == (6e-4, 6e-4, 64)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--decay_steps", "-1"], "--decay_steps must not be negative, not -1"),
+    (["--min_lr_ratio", "1.5"], "--min_lr_ratio must be in [0, 1], not 1.5"),
+    (["--max_lr", "0"], "--max_lr must be positive, not 0.0"),
+    (["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be in [0, 1), not 1.0"),
+    (["--recompute_every", "0"], "--recompute_every must be positive, not 0"),
+    (["--val_steps", "0"], "--val_steps must be positive, not 0"),
+    (["--async_checkpoint"], "--async_checkpoint writes sharded checkpoints: it needs --fsdp 1"),
+])
+def test_a_value_its_parts_check_refuses_is_a_usage_error_naming_the_flag(capsys, flags, expected):
+    """Each part of the config checks its own fields (__post_init__), before anything is built."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.parse_args(flags)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f": error: {expected} (see --help)\n")
 
 
 @pytest.mark.parametrize("flags, expected", [(["--n_layer", "0"], "--n_layer must be a positive integer, not 0"),
@@ -103,12 +130,15 @@ def test_a_config_that_is_missing_or_not_a_file_is_one_line(tmp_path, capsys):
     assert message.endswith(f": error: {tmp_path / 'fifo.toml'}: a FIFO, not a regular file (see --help)")
 
 
-def test_the_testing_flag_has_its_own_group_in_help(capsys):
+def test_help_lists_each_part_of_the_config_as_a_group_of_its_flags(capsys):
     with pytest.raises(SystemExit):
         train_gpt2.main(["--help"])
     out = capsys.readouterr().out
-    options, testing = out.split("\noptions:\n")[1].split("\ntesting:\n")
-    assert "--fault" not in options and "--fault KIND@STEP[:RANK]" in testing
+    groups = re.findall(r"^(\w+):\n  (.*)\n", out, re.M)
+    assert [name for name, _ in groups] == ["options", "model", "batch", "schedule", "optimizer", "eval", "checkpoints",
+                                            "scale", "runtime"]
+    runtime = out.split("\nruntime:\n")[1]
+    assert "--fault KIND@STEP[:RANK]" in runtime and "--micro_batch_size" not in runtime
 
 
 class Captured(Exception):

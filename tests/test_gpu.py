@@ -10,6 +10,7 @@ import train_gpt2
 from helpers import TINY, read_log, run_torchrun, train_records, write_token_shards
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
+from train_config import ScaleConfig
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)
@@ -42,7 +43,8 @@ class FixedBatches:
 def losses_of(compile_mode, chunked_loss=False, steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    step = train_gpt2.StepConfig(torch.bfloat16, grad_accum_steps=2, compile_mode=compile_mode, chunked_loss=chunked_loss)
+    step = train_gpt2.StepConfig(torch.bfloat16, grad_accum_steps=2, scale=ScaleConfig(chunked_loss=int(chunked_loss)),
+                                 compile_mode=compile_mode)
     t = train_gpt2.build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
     return [train_gpt2.train_step(t, loader, 1e-3).loss for _ in range(steps)]

@@ -51,7 +51,8 @@ def block_matrices(model):
 def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
-    step = train_gpt2.StepConfig(torch.float32, 1, muon.OptimizerConfig(optimizer, 3e-3, 0.1, **kw), grad_clip=grad_clip)
+    config = muon.OptimizerConfig(optimizer, 3e-3, 0.1, grad_clip=grad_clip, **kw)
+    step = train_gpt2.StepConfig(torch.float32, 1, config)
     t = train_gpt2.build_trainable(model, "cpu", step)
     if scaler is not None:
         t.scaler = scaler
@@ -119,7 +120,7 @@ def test_a_muon_step_equals_torchs_muon_and_adamw_applied_by_hand():
         with torch.no_grad():
             for w, parts in zip(qkv, q_k_v):
                 w.copy_(torch.cat(parts))
-        assert result.loss == loss.item() and result.muon_lr == lr * (0.02 / 3e-3)
+        assert result.loss == loss.item() and muon.muon_lr(t.optimizer) == lr * (0.02 / 3e-3)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(t.optimizer.muon.state[model.transformer.h[0].attn.c_attn.weight]["momentum_buffer"],
@@ -136,13 +137,13 @@ def test_the_default_adamw_path_is_plain_adamw_unchanged():
     assert all("lr_scale" not in g for g in t.optimizer.param_groups)
     x, y = batch()
     for lr in (1e-3, 3e-3, 2e-3):
-        result = train_gpt2.train_step(t, OneBatch(x, y), lr)
+        train_gpt2.train_step(t, OneBatch(x, y), lr)
         by_hand.zero_grad()
         reference(x, y)[1].backward()
         for group in by_hand.param_groups:
             group["lr"] = lr
         by_hand.step()
-        assert result.muon_lr is None and [g["lr"] for g in t.optimizer.param_groups] == [lr, lr]
+        assert muon.muon_lr(t.optimizer) is None and [g["lr"] for g in t.optimizer.param_groups] == [lr, lr]
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
 
@@ -228,7 +229,7 @@ def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch)
     flags = [*STEPS, *MUON, "--max_steps", "4"]
     records = train_records(train(shards, tmp_path, *flags))
     schedule = train_gpt2.parse_args(TINY + flags).schedule
-    expected = [schedule.lr(step) for step in range(4)]
+    expected = [schedule.lr(step, 3e-3) for step in range(4)]
     assert [r["lr"] for r in records] == expected
     assert [r["muon_lr"] for r in records] == stepped == [lr * (0.02 / 3e-3) for lr in expected]
     assert max(stepped) == pytest.approx(0.02)

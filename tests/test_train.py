@@ -5,6 +5,7 @@ import os
 import shutil
 import re
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import checkpoint
 import loading
+import devices
 import distributed
 import train_gpt2
 from checkpoint import load_checkpoint
@@ -20,6 +22,7 @@ from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch
                       save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
 from data import ShardLoader, list_shards, write_shard
 from model import GPT, GPTConfig
+from muon import OptimizerConfig, build_optimizer
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
@@ -35,7 +38,8 @@ def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
 
 
 def test_lr_schedule_is_gpt2s():
-    lr = train_gpt2.parse_args([]).schedule.lr
+    cfg = train_gpt2.parse_args([])
+    lr = partial(cfg.schedule.lr, max_lr=cfg.optimizer.max_lr)
     assert lr(0) == pytest.approx(6e-4 / 715)
     assert lr(714) == pytest.approx(6e-4)
     assert lr(715) == pytest.approx(6e-4)
@@ -219,7 +223,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     try:
         raw_model = GPT(GPTConfig(**TINY_CONFIG))
         model = DDP(raw_model, gradient_as_bucket_view=True)  # as build_trainable wraps it on 2 ranks or more
-        t = train_gpt2.Trainable(model, raw_model, raw_model.configure_optimizers(0.1, 1e-3, "cpu"),
+        t = train_gpt2.Trainable(model, raw_model, build_optimizer(raw_model, OptimizerConfig(max_lr=1e-3), "cpu"),
                                  torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 2))
         loader = ShardLoader(list_shards(shards, "train"), 2, 32)
         where = []  # the gradient's storage after each micro-step's accumulation
@@ -456,14 +460,14 @@ def assert_resumes(shards, log_dir, weights):
 
 def test_compile_auto_is_on_for_cuda_only_and_says_why_not_elsewhere(monkeypatch):
     notes = []
-    assert train_gpt2.resolve_compile("auto", "cuda", notes.append) is (sys.platform != "win32")
-    assert train_gpt2.resolve_compile("auto", "cpu", notes.append) is False and notes == []
-    assert train_gpt2.resolve_compile("auto", "mps", notes.append) is False
+    assert devices.resolve_compile("auto", "cuda", notes.append) is (sys.platform != "win32")
+    assert devices.resolve_compile("auto", "cpu", notes.append) is False and notes == []
+    assert devices.resolve_compile("auto", "mps", notes.append) is False
     assert notes == ["note: --compile auto stays off on MPS"]
     monkeypatch.setattr(train_gpt2.sys, "platform", "win32")
-    assert train_gpt2.resolve_compile("auto", "cuda", notes.append) is False
+    assert devices.resolve_compile("auto", "cuda", notes.append) is False
     assert notes[-1] == "note: --compile auto stays off on Windows"
-    assert train_gpt2.resolve_compile("1", "cpu", notes.append) is True
+    assert devices.resolve_compile("1", "cpu", notes.append) is True
 
 
 def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypatch):
@@ -478,7 +482,7 @@ def test_every_param_group_steps_at_the_scheduled_lr(shards, tmp_path, monkeypat
     flags = ["--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--warmup_steps", "2"]
     records = train(shards, tmp_path, *flags)
     schedule = train_gpt2.parse_args(TINY + flags).schedule
-    expected = [schedule.lr(step) for step in range(6)]
+    expected = [schedule.lr(step, 3e-3) for step in range(6)]
     assert len(set(expected)) == 5  # warmup to max_lr at step 2, then cosine
     assert [r["lr"] for r in train_records(records)] == pytest.approx(expected)
     assert stepped == [pytest.approx([lr, lr]) for lr in expected]  # both groups: decayed and not
@@ -491,8 +495,9 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
 
     def step(grad_clip, scaler):
         # lr 0: the weights stay, so every call sees the same gradients; clipping leaves them in p.grad.
-        t = train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, "cpu",
-                                 train_gpt2.StepConfig(torch.float32, 1, grad_clip=grad_clip))
+        optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3, grad_clip=grad_clip), "cpu")
+        t = train_gpt2.Trainable(model, model, optimizer, scaler, "cpu",
+                                 train_gpt2.StepConfig(torch.float32, 1, optimizer=OptimizerConfig(grad_clip=grad_clip)))
         result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -523,10 +528,13 @@ def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
     assert [r["step"] for r in train_records(records)] == [0, 2, 4]
 
 
-def test_seed_sets_the_order_of_later_epochs(shards):
+def test_seed_sets_the_order_of_later_epochs(shards, tmp_path):
     def epoch_1_start(*flags):
-        cfg = train_gpt2.parse_args(TINY + ["--data_dir", shards, "-B", "8", *flags])
-        loader = train_gpt2.build_loaders(cfg, 0, 1, cfg.model.vocab_size)[0]
+        log_dir = tmp_path / str(len(os.listdir(tmp_path)))
+        run = train_gpt2.setup(train_gpt2.parse_args(TINY + ["--data_dir", shards, "--log_dir", str(log_dir), "-B", "8",
+                                                             *flags]))
+        run.log_dir_lock.close()
+        loader = run.train_loader
         loader.load_state_dict({"epoch": 1, "index": 0, "tokens_per_index": 8 * 32})
         return loader.next_batch()[0]
     assert torch.equal(epoch_1_start("--seed", "1"), epoch_1_start("--seed", "1"))
@@ -586,7 +594,7 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     events = []
     monkeypatch.setattr(train_gpt2, "synchronize", lambda device: events.append(("synchronize", device)))
     model = GPT(GPTConfig(**TINY_CONFIG))
-    optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
+    optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
     t = train_gpt2.Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
                              train_gpt2.StepConfig(torch.float32, 2))
@@ -600,7 +608,7 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
     def trainable():
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY_CONFIG))
-        return train_gpt2.Trainable(model, model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+        return train_gpt2.Trainable(model, model, build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu"),
                                     torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 4))
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
