@@ -113,3 +113,76 @@ def test_gpt_forward_with_the_fused_loss_equals_the_masked_loss():
     with torch.no_grad():
         logits, loss = model(idx, targets, fused_loss=True)
     assert logits is None and loss.item() == pytest.approx(expected_loss, rel=0, abs=1e-5)
+
+
+@needs_triton
+@interpreted
+@pytest.mark.slow
+def test_the_fused_loss_compiles_into_the_models_graph_whole():
+    """A custom op: torch.compile traces the model with it in one graph (fullgraph=True raises at a
+    break), and the compiled step has the eager masked loss's loss and gradients. aot_eager
+    runs what inductor's graph would (fake tensors, the op's registered backward) in seconds."""
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(0, N_VOCAB, (2, 1, 12), generator=g)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    expected_loss, expected = loss_and_gradients(model, lambda: model(idx, targets)[1])
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    loss, grads = loss_and_gradients(model, lambda: compiled(idx, targets, fused_loss=True)[1])
+    assert counter.frame_count == 1
+    assert loss == pytest.approx(expected_loss, rel=0, abs=1e-5)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_chunked_and_the_fused_loss_are_not_both_taken():
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="choose one"):
+        GPT(CONFIG)(idx, idx, chunked_loss=True, fused_loss=True)
+
+
+@needs_triton
+def test_on_a_cpu_without_the_interpreter_the_fused_loss_says_so(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, weight, targets = head_batch(torch.float32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        fused_cross_entropy(x, weight, targets, N_VOCAB)
+
+
+@pytest.mark.slow
+def test_without_triton_the_model_imports_and_the_fused_loss_says_so():
+    code = ("import sys; sys.modules['triton'] = None\n"  # import triton now fails, as where it is not installed
+            "import torch, model\n"
+            "x = torch.zeros(1, 2, 8)\n"
+            "try:\n"
+            "    model.fused_cross_entropy(x, torch.zeros(10, 8), torch.zeros(1, 2, dtype=torch.long), 9)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "the fused loss needs Triton: pip install triton\n"
+
+
+@needs_triton
+@pytest.mark.slow
+def test_the_kernel_compiles_for_a_hopper_gpu(tmp_path):
+    """What the interpreter does not check: Triton's compiler takes the kernel, for sm_90, in
+    training (bf16, fp16) and in evaluation (float32, no gradients). Run without a GPU, in a process of its own: Triton decides
+    at import whether its functions are interpreted or compiled."""
+    code = ("import triton, fused_loss\n"
+            "from triton.backends.compiler import GPUTarget\n"
+            "from triton.compiler import ASTSource\n"
+            "for dtype, with_grads in (('*bf16', True), ('*fp16', True), ('*fp32', False)):\n"
+            "    signature = dict(logits_ptr=dtype, stride='i32', targets_ptr='*i64', losses_ptr='*fp32',\n"
+            "                     n_tokens='i32', n_cols='i32', BLOCK='constexpr', WITH_GRADS='constexpr')\n"
+            "    source = ASTSource(fused_loss._kernel(), signature,\n"
+            "                       constexprs=dict(BLOCK=fused_loss.BLOCK, WITH_GRADS=with_grads))\n"
+            "    kernel = triton.compile(source, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=16))\n"
+            "    assert kernel.asm['cubin'], dtype\n"
+            "print('compiled')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "compiled\n"
