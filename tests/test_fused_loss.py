@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import fused_loss
+import memory
 from fused_loss import fused_cross_entropy
 from model import GPT, cross_entropy
 from test_loss import CONFIG, loss_and_gradients
+from test_memory import CONFIG as SMALL_CONFIG, saved_for_backward
 from tokenizer import N_VOCAB, PADDED_VOCAB
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -135,6 +136,18 @@ def test_the_fused_loss_compiles_into_the_models_graph_whole():
     assert loss == pytest.approx(expected_loss, rel=0, abs=1e-5)
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+@needs_triton
+@interpreted
+def test_the_fused_loss_keeps_what_the_memory_plan_counts():
+    """For the backward, the head's input gradient in the place of its input, and the head's
+    float32 weight gradient (memory.head_gradient_bytes)."""
+    model = GPT(SMALL_CONFIG).train()
+    B, T = 2, 24
+    measured = saved_for_backward(model, torch.randint(0, SMALL_CONFIG.vocab_size, (B, T)), fused_loss=True)
+    estimate = memory.activation_bytes(SMALL_CONFIG, B, T, a=4) + memory.head_gradient_bytes(SMALL_CONFIG)
+    assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
 
 def test_the_chunked_and_the_fused_loss_are_not_both_taken():
