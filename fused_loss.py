@@ -104,13 +104,14 @@ def _kernel():
     @triton.jit
     def cross_entropy_rows(logits_ptr, stride, targets_ptr, losses_ptr, n_tokens, n_cols,
                            BLOCK: tl.constexpr, WITH_GRADS: tl.constexpr):
-        """Program r: the loss of logits row r against its target (0 if -1) into losses[r]; with
-        WITH_GRADS, the row overwritten by its gradient, softmax minus one-hot (0 if ignored),
-        over the first n_tokens columns and 0 on the rest, up to n_cols."""
+        """Program r: the loss of logits row r against its target into losses[r], 0 for a target
+        of -1; with WITH_GRADS, the row overwritten by its gradient, softmax minus one-hot over the
+        first n_tokens columns and 0 on the rest up to n_cols (all 0 for a target of -1)."""
         row = logits_ptr + tl.program_id(0).to(tl.int64) * stride  # 64-bit: large chunks pass 2**31 elements
         target = tl.load(targets_ptr + tl.program_id(0))
         # Pass 1: each lane's running max and its sum of exponentials below it, over the real columns; the
-        # lanes are combined once at the end. -FLT_MAX, not -inf: a lane that never sees a real column stays 0.
+        # lanes combined once at the end. A finite floor, not -inf: a lane that never sees a real column keeps
+        # a sum of 0, where exp(-inf - -inf) would be NaN.
         m = tl.full((BLOCK,), -3.4e38, tl.float32)
         s = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n_tokens, BLOCK):
@@ -122,7 +123,8 @@ def _kernel():
         m_row = tl.max(m, axis=0)
         lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
         real = target != -1
-        # A target outside the real columns reads -inf, an infinite loss, as the masked loss gives.
+        # A target outside the real columns reads -inf, an infinite loss (the masked loss's for a padding
+        # column; it raises beyond them), and nothing out of bounds.
         target_logit = tl.load(row + target, mask=(target >= 0) & (target < n_tokens), other=float("-inf"))
         tl.store(losses_ptr + tl.program_id(0), tl.where(real, lse - target_logit.to(tl.float32), 0.0))
         if WITH_GRADS:  # Pass 2: each block read again and overwritten by its gradient.
