@@ -16,6 +16,7 @@ import torch
 
 from devices import auto_device_type, device_memory, pick_dtype
 from cli import check_torch, preset_names, preset_path, read_config
+from fused_loss import CHUNK as FUSED_CHUNK
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
 from train_config import ScaleConfig
@@ -88,18 +89,21 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
     return batch * seq_len * (blocks + top)
 
 
-def logits_bytes(config, batch, seq_len, chunked_loss, a=2):
+def logits_bytes(config, batch, seq_len, chunked_loss, a=2, fused_loss=False):
     """The loss's peak: logits in the autocast dtype, their float32 log-softmax and its gradient,
     for all positions at once; or, chunked, for one chunk of them, plus what the chunked loss keeps
-    for the backward beyond the head's input (head_gradient_bytes)."""
+    for the backward beyond the head's input (head_gradient_bytes); or, fused (fused_loss.py), one
+    chunk's logits in the autocast dtype alone, their gradient written over them, plus the same."""
+    if fused_loss:
+        return min(batch * seq_len, FUSED_CHUNK) * config.vocab_size * a + head_gradient_bytes(config)
     if chunked_loss:
         return min(batch * seq_len, LOSS_CHUNK) * config.vocab_size * (a + 8) + head_gradient_bytes(config)
     return batch * seq_len * config.vocab_size * (a + 8)
 
 
 def head_gradient_bytes(config):
-    """The head's float32 weight gradient, which the chunked loss computes in the forward pass
-    and keeps for the backward (its input's gradient takes the place of the input itself)."""
+    """The head's float32 weight gradient, which the chunked and fused losses compute in the forward pass
+    and keep for the backward (its input's gradient takes the place of the input itself)."""
     return 4 * config.vocab_size * config.n_embd
 
 

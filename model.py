@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import generate
 from cli import setting
+from fused_loss import fused_cross_entropy
 from tokenizer import N_VOCAB
 
 
@@ -239,15 +240,19 @@ class GPT(nn.Module):
         """Ids the model may emit: the vocabulary less the rows padded on for speed."""
         return min(self.config.vocab_size, N_VOCAB)
 
-    def forward(self, idx, targets=None, kv_cache=None, n_pad=None, chunked_loss=False):
+    def forward(self, idx, targets=None, kv_cache=None, n_pad=None, chunked_loss=False, fused_loss=False):
         """idx (B, T) token ids -> logits (B, T, n_tokens) and the mean cross-entropy
         against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states.
-        chunked_loss (training): the same loss by chunked_cross_entropy, and no logits."""
+        chunked_loss or fused_loss (training; not both): the same loss by chunked_cross_entropy or by
+        fused_loss.fused_cross_entropy (Triton), and no logits."""
+        if chunked_loss and fused_loss:
+            raise ValueError("chunked_loss and fused_loss are two ways to compute one loss: choose one")
         x = self.hidden_states(idx, kv_cache, n_pad)
         if targets is None:
             return self.head(x), None
-        if chunked_loss:
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.n_tokens)
+        if chunked_loss or fused_loss:
+            loss = fused_cross_entropy if fused_loss else chunked_cross_entropy
+            return None, loss(x, self.lm_head.weight, targets, self.n_tokens)
         logits = self.padded_head(x)
         return logits[..., : self.n_tokens], cross_entropy(logits, targets, self.n_tokens)
 

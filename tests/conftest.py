@@ -1,5 +1,6 @@
-"""pytest's setup for the tests: offline, two threads, one temporary directory of their own,
-cuda-marked tests skipped without CUDA, and the fixtures. The helpers are in helpers.py."""
+"""pytest's setup for the tests: offline, two threads, Triton's interpreter without a GPU, one
+temporary directory of their own, cuda-marked tests skipped without CUDA, and the fixtures.
+The helpers are in helpers.py."""
 import multiprocessing.util
 import os
 import shutil
@@ -12,6 +13,10 @@ from helpers import make_hf_gpt2, write_token_shards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test that reaches for the hub fails fast
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Without a GPU, Triton's kernels (fused_loss.py) run in its interpreter, on CPU tensors. Set here, before
+# anything imports triton (torch._dynamo does); not where CUDA is, where inductor's kernels would be interpreted too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 # The temporary directory of the tests, their subprocesses and the libraries they call (pytest's

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import devices
+import fused_loss
 import memory
 import train_gpt2
 from cli import preset_names
@@ -40,9 +41,9 @@ def test_recompute_gives_bit_identical_gradients(mode, every):
         assert torch.equal(got[name], grad), name
 
 
-def saved_for_backward(model, idx):
-    """Bytes of the tensors the forward pass saves for the backward (parameters excluded), each
-    storage counted once: what activation memory is."""
+def saved_for_backward(model, idx, **loss):
+    """Bytes of the tensors the forward pass, with the loss of GPT.forward's keywords loss, saves for
+    the backward (parameters excluded), each storage counted once: what activation memory is."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -52,7 +53,7 @@ def saved_for_backward(model, idx):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, idx.roll(1), chunked_loss=True)
+        model(idx, idx.roll(1), **loss)
     return sum(saved.values())
 
 
@@ -61,7 +62,7 @@ def saved_for_backward(model, idx):
 def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
     model = GPT(CONFIG, recompute=mode, recompute_every=every).train()
     B, T = 2, 64
-    measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)))
+    measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)), chunked_loss=True)
     estimate = memory.activation_bytes(CONFIG, B, T, mode, every, a=4) + memory.head_gradient_bytes(CONFIG)
     assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
@@ -174,6 +175,16 @@ def test_sharding_and_recompute_shrink_the_plan():
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
     assert ddp.logits == 2 * (chunked.logits - memory.head_gradient_bytes(config))  # 8x1024 positions, against a chunk of 4096
+
+
+def test_the_fused_loss_plans_one_chunk_of_logits_in_the_autocast_dtype_alone():
+    """Its gradient is written over the logits: a bytes a position and column, against the masked
+    loss's a + 8 (a float32 log-softmax and its gradient beside them), for one chunk however many positions."""
+    config, head = GPTConfig(vocab_size=50304), memory.head_gradient_bytes(GPTConfig(vocab_size=50304))
+    batch = fused_loss.CHUNK // 1024  # one chunk's positions
+    fused = memory.logits_bytes(config, batch, 1024, False, fused_loss=True)
+    assert fused - head == memory.logits_bytes(config, batch, 1024, False) * 2 // 10
+    assert memory.logits_bytes(config, 4 * batch, 1024, False, fused_loss=True) == fused
 
 
 def test_the_docs_table_is_what_memory_py_prints():
