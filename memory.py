@@ -126,7 +126,7 @@ def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
                     activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes))
+                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes, scale.fused_loss))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -168,6 +168,7 @@ def print_plan(cfg):
     print(f"{n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
           f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
           f"micro-batch {batch.micro_batch_size}x{batch.seq_len}, chunked loss {scale.chunked_loss}, "
+          f"{'fused loss 1, ' if scale.fused_loss else ''}"
           f"optimizer {cfg.optimizer.name}; per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
 

@@ -105,9 +105,14 @@ class ScaleConfig:
     chunked_loss: int = setting(0, "compute the loss and its gradients over chunks of positions, never a (B*T, vocab) "
                                    "float32 tensor: less memory (on in the presets larger than gpt2-medium)",
                                 choices=[0, 1])
+    fused_loss: int = setting(0, "the head's matmul and the loss in one Triton kernel per chunk of positions "
+                                 "(fused_loss.py, on llm.c's design): no float32 logits at all; opt-in until a GPU "
+                                 "measures it faster", choices=[0, 1])
 
     def __post_init__(self):
         check_positive(self, "recompute_every")
+        if self.chunked_loss and self.fused_loss:
+            raise ValueError("--chunked_loss and --fused_loss are two ways to compute one loss: choose one")
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,10 @@ class Trainable:
     device: str
     config: StepConfig  # what it was built with: the dtype, accumulation, clipping and loss its steps use
 
+    def loss_options(self):
+        """The training forward's keywords that pick how the loss is computed (ScaleConfig)."""
+        return dict(chunked_loss=bool(self.config.scale.chunked_loss), fused_loss=bool(self.config.scale.fused_loss))
+
     def forward_context(self):
         """Autocast, for one forward pass (and the backward it records)."""
         return autocast(self.device.split(":")[0], self.config.dtype)
@@ -331,7 +335,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda: False):
         last = micro_step == trainable.config.grad_accum_steps - 1
         with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
             # [1]: no logits kept into the next micro-step
-            loss = trainable.model(x, y, chunked_loss=bool(trainable.config.scale.chunked_loss))[1]
+            loss = trainable.model(x, y, **trainable.loss_options())[1]
         loss = loss / trainable.config.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
         trainable.scaler.scale(loss).backward()
@@ -474,7 +478,7 @@ def estimate_val_loss(trainable, loader, steps):
     for _ in range(steps):
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
         with trainable.forward_context():
-            total += trainable.model(x, y, chunked_loss=bool(trainable.config.scale.chunked_loss))[1]
+            total += trainable.model(x, y, **trainable.loss_options())[1]
     if dist.is_initialized():
         dist.all_reduce(total)
     trainable.model.train()

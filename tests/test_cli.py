@@ -79,6 +79,8 @@ def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once()
     (["--recompute_every", "0"], "--recompute_every must be positive, not 0"),
     (["--val_steps", "0"], "--val_steps must be positive, not 0"),
     (["--async_checkpoint"], "--async_checkpoint writes sharded checkpoints: it needs --fsdp 1"),
+    (["--chunked_loss", "1", "--fused_loss", "1"], "--chunked_loss and --fused_loss are two ways to compute one loss: "
+                                                   "choose one"),
 ])
 def test_a_value_its_parts_check_refuses_is_a_usage_error_naming_the_flag(capsys, flags, expected):
     """Each part of the config checks its own fields (__post_init__), before anything is built."""

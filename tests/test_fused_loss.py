@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import memory
 from fused_loss import fused_cross_entropy
+from helpers import assert_same_run, train
 from model import GPT, cross_entropy
 from test_loss import CONFIG, loss_and_gradients
 from test_memory import CONFIG as SMALL_CONFIG, saved_for_backward
@@ -114,6 +115,20 @@ def test_gpt_forward_with_the_fused_loss_equals_the_masked_loss():
     with torch.no_grad():
         logits, loss = model(idx, targets, fused_loss=True)
     assert logits is None and loss.item() == pytest.approx(expected_loss, rel=0, abs=1e-5)
+
+
+@needs_triton
+@interpreted
+@pytest.mark.slow
+def test_the_trainer_under_fused_loss_trains_as_under_the_masked_loss(shards, tmp_path):
+    """--fused_loss 1 reaches the step and the val loss: the same per-step losses, norms and val
+    losses as the default masked loss, within float32's summation order."""
+    flags = ["--total_batch_size", "256", "-B", "4", "--max_steps", "3", "--eval_interval", "3", "--val_steps", "2"]
+    masked = train(shards, tmp_path / "masked", *flags)
+    fused = train(shards, tmp_path / "fused", *flags, "--fused_loss", "1")
+    assert_same_run(masked, fused)
+    assert [r["val_loss"] for r in fused if "val_loss" in r] == \
+        pytest.approx([r["val_loss"] for r in masked if "val_loss" in r], rel=1e-5)
 
 
 @needs_triton
