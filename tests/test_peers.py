@@ -277,18 +277,30 @@ def test_each_peers_log_gives_its_steady_median_step(program):
         peers.read_log(program, "\n".join(LOGS[program]), 524288, warmup=4)
 
 
-@pytest.mark.slow
-def test_the_projects_own_log_is_read_back(tmp_path):
+def run_the_project_on_the_cpu(tmp_path):
     """The trainer's real output, on the CPU at a tiny size, through the command the peers run."""
     config = peers.PeersConfig("", "", micro_batch_size=2, seq_len=32, total_batch_size=128, steps=2, warmup=1,
                                gpu_arch="90", timeout=300)
     peers.write_tokens(str(tmp_path / "data"), config)
     command = peers.project_command(str(tmp_path / "data"), str(tmp_path / "log"), 2, 32, 128, config.run_steps)
-    command += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--device", "cpu",
-                "--checkpoint_interval", "0"]
-    text = peers.run(command, str(tmp_path), str(tmp_path / "project.log"), timeout=300)
-    result = peers.read_log("project", text, 128, config.warmup)
+    command += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--device", "cpu"]
+    return peers.read_log("project", peers.run(command, str(tmp_path), str(tmp_path / "project.log"), timeout=300),
+                          128, config.warmup)
+
+
+@pytest.mark.slow
+def test_the_projects_own_log_is_read_back(tmp_path):
+    result = run_the_project_on_the_cpu(tmp_path)
     assert result["steady_steps"] == 2 and result["ms_per_step"] > 0 and result["peak_mem_bytes"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="needs the trainer change: a flag that writes no checkpoint, not even the last")
+def test_the_projects_run_writes_no_checkpoint(tmp_path):
+    """At GPT-2 (124M) its last checkpoint is 1.5 GB, written after the timed steps: time and disk
+    the benchmark's job does not have."""
+    run_the_project_on_the_cpu(tmp_path)
+    assert not [name for name in os.listdir(tmp_path / "log") if name.startswith("ckpt")]
 
 
 def test_a_failing_program_is_one_line_with_the_last_lines_of_its_output(tmp_path):
