@@ -105,7 +105,8 @@ def copy_regular_file(path, root, to):
     try:
         if not stat.S_ISREG(os.stat(real).st_mode):  # before opening: opening a device can act on it
             raise PeerError(f"{path}: not a regular file (a FIFO, a device or a socket)")
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # swapped for a FIFO since: no wait
+        # O_NONBLOCK: a file swapped for a FIFO since the check must not hang the open; fstat then refuses it
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with open(fd, "rb") as source:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise PeerError(f"{path}: not a regular file (a FIFO, a device or a socket)")
