@@ -8,7 +8,7 @@ device's dense matmul rate, the ceiling the FLOP rates are read against. It asse
     python bench.py --parts train --levers            # also the project with each lever switched off or on
     python bench.py --parts train --levers recompute_full,chunked_loss   # only those levers
     python bench.py --parts train -B 32,64,128        # several batch sizes (out of memory is recorded)
-    python bench.py --parts train --profile --json X.json   # also where a step's time goes; trace X.trace.json
+    python bench.py --parts train --profile --json X.json   # also where a step's time goes; trace X.trace.json.gz
     python bench.py --parts train --total_batch_size 1048576   # train's tokens per optimizer step (accumulation)
     python bench.py --parts peers --llmc DIR --build_nanogpt DIR   # beside llm.c and build-nanogpt (CUDA)
 
@@ -18,12 +18,14 @@ position embedding) against the device's dense bf16 peak.
 import argparse
 import datetime
 import gc
+import gzip
 import re
 import json
 import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -101,6 +103,9 @@ def build_parser():
                         "--llmc and --build_nanogpt)")
     p.add_argument("--llmc", metavar="DIR", default=None, help="peers: a checkout of llm.c")
     p.add_argument("--build_nanogpt", metavar="DIR", default=None, help="peers: a checkout of build-nanogpt")
+    p.add_argument("--peer_timeout", type=fineweb.positive_int, default=300,
+                   help="peers: seconds each program may run, its start and compilation included (llm.c: its "
+                        "build, waited for after the others ran, then its run)")
     p.add_argument("--json", default=None, help="write the results to this JSON file, rewritten after each result")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, else mps, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -126,8 +131,8 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
     p.add_argument("--profile", action="store_true",
                    help="train: also profile the project's step (at the first -B) with torch.profiler: a table of "
-                        "its time by category, and the Chrome trace beside --json (X.json: X.trace.json; "
-                        "without --json: bench.trace.json)")
+                        "its time by category, and the Chrome trace, gzipped, beside --json (X.json: "
+                        "X.trace.json.gz; without --json: bench.trace.json.gz)")
     return p
 
 
@@ -168,9 +173,15 @@ def parse_args(argv=None):
     if args.profile:
         if "train" not in args.parts:
             p.error("--profile profiles train's step: --parts must include train")
-        args.trace = os.path.splitext(args.json)[0] + ".trace.json" if args.json else "bench.trace.json"
+        args.trace = trace_path(args.json)
         p.check_output("--profile's trace", args.trace)
     return args
+
+
+def trace_path(json_path):
+    """Where --profile writes its Chrome trace, gzipped (a GPU's may pass 16 MiB): beside the JSON
+    (X.json: X.trace.json.gz), or bench.trace.json.gz without one."""
+    return (os.path.splitext(json_path)[0] if json_path else "bench") + ".trace.json.gz"
 
 
 def check_peers(p, args):
@@ -188,10 +199,12 @@ def check_peers(p, args):
 
 
 def peers_config(args):
-    """The peers' sizes: train's at GPT-2 (124M) on a GPU, the first -B."""
+    """The peers' sizes: train's at GPT-2 (124M) on a GPU, the first -B; llm.c built for this GPU."""
     cfg = train_config(args, "cuda")
+    major, minor = torch.cuda.get_device_capability(args.device)
     return peers.PeersConfig(args.llmc, args.build_nanogpt, cfg["micro_batch_size"][0], cfg["seq_len"],
-                             cfg["total_batch_size"] or TRAINER_TOTAL_BATCH, cfg["steps"], cfg["warmup"])
+                             cfg["total_batch_size"] or TRAINER_TOTAL_BATCH, cfg["steps"], cfg["warmup"],
+                             gpu_arch=f"{major}{minor}", timeout=args.peer_timeout)
 
 
 def check_train_fits(p, cfg, device):
@@ -470,15 +483,17 @@ def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, 
 
 
 def export_trace(prof, path):
-    """Writes prof's Chrome trace to path, whole or not at all; returns why it could not, or None.
-    torch writes PATH.tmp and renames it, and on a failed write (a full disk) only logs it,
-    leaving PATH.tmp and no trace: it writes under another name here, renamed once it is there."""
+    """Writes prof's Chrome trace to path, gzipped, whole or not at all; returns why it could not,
+    or None. torch writes PATH.tmp and renames it, and on a failed write (a full disk) only logs
+    it, leaving PATH.tmp and no trace: it writes under another name here, whose gzipped copy is
+    renamed to path once it is whole."""
     partial = f"{path}.partial{os.getpid()}"
     try:
         prof.export_chrome_trace(partial)
         if not os.path.isfile(partial):
             return "torch's export wrote nothing (a full disk?)"
-        os.replace(partial, path)
+        with open(partial, "rb") as trace, atomic_open(path) as f, gzip.GzipFile(fileobj=f, mode="wb") as compressed:
+            shutil.copyfileobj(trace, compressed)
         return None
     except OSError as e:
         return e.strerror or str(e)

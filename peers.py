@@ -2,19 +2,24 @@
 build-nanogpt's train_gpt2.py (compiled) and llm.c's train_gpt2cu (with and without cuDNN
 attention), on one GPU, the same token shards, and the same B, T and tokens per step.
 
-Each peer runs from a scratch copy of the user's checkout, adapted by this module and never by
-hand: build-nanogpt's step count, micro-batch, compile switch, data directory and tokenizer
-(offline: the vendored one), plus a line that prints its peak memory; llm.c's out-of-memory
-fallback to managed memory (CUDA 13 refuses its cudaMemAdvise call, and managed memory must not
-stand in for GPU memory in a benchmark) and its link flags. Each program's own log gives its
-milliseconds per step; the first warmup steps (compilation, autotuning) and the last (evaluation)
-are left out, and the median of the rest is the result. bench.py --parts peers runs this.
+Each peer runs from a scratch copy of the user's checkout (untrusted: read, never written
+through), adapted by this module and never by hand: build-nanogpt's step count, micro-batch,
+compile switch, data directory and tokenizer (offline: the vendored one, in its hellaswag.py
+too), plus a line that prints its peak memory; llm.c's out-of-memory fallback to managed memory
+(CUDA 13 refuses its cudaMemAdvise call, and managed memory must not stand in for GPU memory in a
+benchmark), and its build flags: the GPU's compute capability, cuDNN's paths, the rpath to the
+CUDA libraries. Each program's own log gives its milliseconds per step; the first warmup steps
+(compilation, autotuning) and the last (evaluation) are left out, and the median of the rest is
+the result. bench.py --parts peers runs this; python peers.py prints what the peers need of the
+machine (the probe).
 """
 import glob
 import os
 from dataclasses import dataclass
 import re
+import shlex
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
@@ -30,7 +35,12 @@ LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256  # llm.c's dataloa
 
 
 class PeerError(Exception):
-    """A checkout that is missing or not what this module adapts, or a peer that failed."""
+    """A checkout that is missing or not what this module adapts, or a peer that failed: one line,
+    and log_tail, the last lines of the failed program's output (its log does not outlive the run)."""
+
+    def __init__(self, message, log_tail=()):
+        super().__init__(message)
+        self.log_tail = list(log_tail)
 
 
 # ----------------------------------------------------------------------------- the data
@@ -70,42 +80,86 @@ def check_checkout(path, files, name):
 
 
 def scratch_copy(src, dst):
-    """A fresh copy of the checkout src at dst, without its git history."""
+    """A fresh copy of the checkout src at dst, without its git history, that shares nothing with
+    it: regular files only, each written anew, so that editing the copy cannot write through to
+    the checkout. A link is copied as the file it names where that is inside the checkout;
+    PeerError in one line for a link out of it or to a directory, and for anything that is not a
+    regular file (a FIFO, a device, a socket)."""
     shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    root = os.path.realpath(src)
+    for here, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        if links := [d for d in dirs if os.path.islink(os.path.join(here, d))]:
+            raise PeerError(f"{os.path.join(here, links[0])}: a link to a directory (the scratch copy follows none)")
+        os.makedirs(os.path.join(dst, os.path.relpath(here, src)), exist_ok=True)
+        for name in files:
+            path = os.path.join(here, name)
+            copy_regular_file(path, root, os.path.join(dst, os.path.relpath(path, src)))
+
+
+def copy_regular_file(path, root, to):
+    """The regular file at path, or that the link at path names inside root, copied to a new file to."""
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, root]) != root:
+        raise PeerError(f"{path}: a link out of the checkout, to {real} (the scratch copy follows none)")
+    try:
+        if not stat.S_ISREG(os.stat(real).st_mode):  # before opening: opening a device can act on it
+            raise PeerError(f"{path}: not a regular file (a FIFO, a device or a socket)")
+        # O_NONBLOCK: a file swapped for a FIFO since the check must not hang the open; fstat then refuses it
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open(fd, "rb") as source:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PeerError(f"{path}: not a regular file (a FIFO, a device or a socket)")
+            with open(to, "xb") as copy:
+                shutil.copyfileobj(source, copy)
+    except OSError as e:
+        raise PeerError(f"{path}: {e.strerror or e}") from None
 
 
 def edit(path, replacements, name):
-    """Replaces in the file at path each old text, which must occur exactly once, by its new one."""
-    with open(path) as f:
-        text = f.read()
+    """Replaces in the file at path (UTF-8 text) each old text, which must occur exactly once, by its
+    new one; PeerError in one line where the file is not what this module adapts."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise PeerError(f"{name}'s {os.path.basename(path)} is not UTF-8 text (byte {e.start}): not the file "
+                        f"this module adapts") from None
     for old, new in replacements:
         if text.count(old) != 1:
             raise PeerError(f"{name}'s {os.path.basename(path)} has changed: expected one `{old.strip()}`, "
                             f"found {text.count(old)}")
         text = text.replace(old, new)
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8", newline="") as f:
         f.write(text)
+
+
+# build-nanogpt's train_gpt2.py and hellaswag.py each build tiktoken's GPT-2 encoding, which downloads
+# its files: both get this repository's instead, its folder on the path only while its tokenizer is
+# imported, so that none of its modules shadows one of the peer's.
+TIKTOKEN_GPT2 = 'enc = tiktoken.get_encoding("gpt2")'
+OFFLINE_TOKENIZER = (f"import sys; sys.path.insert(0, {REPO!r}); from tokenizer import get_encoding; "
+                     f"sys.path.remove({REPO!r}); enc = get_encoding()")
 
 
 def adapt_build_nanogpt(checkout, scratch, data_dir, B, T, total_batch_size, steps):
     """A copy of build-nanogpt at scratch that trains steps steps of B x T sequences, total_batch_size
-    tokens a step, compiled, on data_dir's shards, with this repository's tokenizer (tiktoken's
-    download needs the network), and prints its peak memory at the end. Returns its script."""
+    tokens a step, compiled, on data_dir's shards, with this repository's tokenizer in its script
+    and its hellaswag.py (tiktoken's download needs the network), and prints its peak memory at the
+    end. Returns its script."""
     check_checkout(checkout, BUILD_NANOGPT_FILES, "build-nanogpt")
     scratch_copy(checkout, scratch)
     script = os.path.join(scratch, "train_gpt2.py")
     edit(script, [
         ('data_root = "edu_fineweb10B"', f"data_root = {os.path.abspath(data_dir)!r}"),
-        ('enc = tiktoken.get_encoding("gpt2")',
-         f"sys.path.insert(0, {REPO!r}); from tokenizer import get_encoding; enc = get_encoding()"),
+        (TIKTOKEN_GPT2, OFFLINE_TOKENIZER),
         ("total_batch_size = 524288", f"total_batch_size = {total_batch_size}"),
         ("B = 64 ", f"B = {B} "),
         ("T = 1024 ", f"T = {T} "),
         ("use_compile = False", "use_compile = True"),
         ("max_steps = 19073", f"max_steps = {steps}"),
-        ("import os\n", "import os\nimport sys\n"),
     ], "build-nanogpt")
+    edit(os.path.join(scratch, "hellaswag.py"), [(TIKTOKEN_GPT2, OFFLINE_TOKENIZER)], "build-nanogpt")
     with open(script, "a") as f:
         f.write('\nprint(f"peak memory: {torch.cuda.max_memory_allocated()} bytes")\n')
     return script
@@ -124,27 +178,57 @@ def adapt_llmc(checkout, scratch):
 
 
 def cudnn_frontend(llmc_checkout):
-    """The include directory of a cudnn-frontend checkout where llm.c's Makefile looks for one:
-    inside the llm.c checkout, or in the home directory; None if neither has one."""
+    """The include directory, as an absolute path (make runs in a scratch copy elsewhere), of a
+    cudnn-frontend checkout where llm.c's Makefile looks for one: inside the llm.c checkout, or in
+    the home directory; None if neither has one."""
     for root in (llmc_checkout, os.path.expanduser("~")):
         include = os.path.join(root, "cudnn-frontend", "include")
         if os.path.isdir(include):
-            return include
+            return os.path.abspath(include)
     return None
 
 
-def llmc_make_command(cudnn_include=None, wheel=None):
-    """make's command line for train_gpt2cu, with cuDNN attention when cudnn_include (a
-    cudnn-frontend's headers) is given; today's cudnn-frontend also needs nvrtc and the driver
-    library. wheel: cuDNN from the nvidia-cudnn wheel beside torch (cudnn_wheel), else the system's."""
-    command = ["make", "train_gpt2cu", f"USE_CUDNN={int(cudnn_include is not None)}", "NO_MULTI_GPU=1", "NO_USE_MPI=1"]
+def nvcc_library_dirs():
+    """The directories the nvcc on PATH links from, as its --dryrun's LIBRARIES line names them
+    (-L flags); [] without an nvcc."""
+    try:
+        dryrun = subprocess.run(["nvcc", "--dryrun", "-x", "cu", os.devnull, "-o", os.devnull],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [os.path.normpath(flag[2:]) for line in (dryrun.stdout + dryrun.stderr).splitlines()
+            if line.startswith("#$ LIBRARIES=") for flag in shlex.split(line.partition("=")[2]) if flag.startswith("-L")]
+
+
+def cuda_toolkit_lib():
+    """The directory from which nvcc links libcublasLt (and libnvrtc beside it): llm.c's binaries'
+    rpath, so that they load what they were built against whether or not the loader's own paths
+    hold it. None without an nvcc, or where none of its directories holds libcublasLt."""
+    return next((lib for lib in nvcc_library_dirs() if glob.glob(os.path.join(glob.escape(lib), "libcublasLt.so*"))),
+                None)
+
+
+def llmc_make_command(gpu_arch, cudnn_include=None, wheel=None, toolkit_lib=None):
+    """make's command line for train_gpt2cu for the GPU of compute capability gpu_arch ("90": 9.0;
+    llm.c's Makefile cannot detect it), with cuDNN attention when cudnn_include (a cudnn-frontend's
+    headers) is given; today's cudnn-frontend also needs nvrtc and the driver library. wheel: cuDNN
+    from the nvidia-cudnn wheel beside torch (cudnn_wheel), else the system's. toolkit_lib: the
+    binary's rpath to the CUDA libraries (cuda_toolkit_lib)."""
+    command = ["make", "train_gpt2cu", f"GPU_COMPUTE_CAPABILITY={gpu_arch}", f"USE_CUDNN={int(cudnn_include is not None)}",
+               "NO_MULTI_GPU=1", "NO_USE_MPI=1"]
+    ldlibs = []
     if cudnn_include is not None:
-        headers, ldlibs = cudnn_include, "-lnvrtc -lcuda"
+        headers = cudnn_include
+        ldlibs.append("-lnvrtc -lcuda")
         if wheel is not None:
             include, link, lib = wheel
             headers += f" -I{include}"  # the Makefile puts -I before CUDNN_FRONTEND_PATH: cuDNN's own headers ride along
-            ldlibs += f" -L{link} -Xlinker -rpath={lib}"
-        command += [f"CUDNN_FRONTEND_PATH={headers}", f"NVCC_LDLIBS={ldlibs}"]
+            ldlibs.append(f"-L{link} -Xlinker -rpath={lib}")
+        command.append(f"CUDNN_FRONTEND_PATH={headers}")
+    if toolkit_lib is not None:
+        ldlibs.append(f"-Xlinker -rpath={toolkit_lib}")
+    if ldlibs:
+        command.append(f"NVCC_LDLIBS={' '.join(ldlibs)}")
     return command
 
 
@@ -212,22 +296,43 @@ def read_log(program, text, tokens_per_step, warmup):
                 peak_mem_bytes=max(peaks) if peaks else None)
 
 
-def run(command, cwd, log_path, timeout):
-    """Runs command in cwd, its output (stdout and stderr) written to log_path and returned.
-    PeerError in one line if it fails or outlasts timeout seconds."""
+LOG_TAIL_LINES = 30  # of a failed program's output, kept in its error
+
+
+def start(command, cwd, log_path):
+    """command started in cwd, its output (stdout and stderr) written to log_path. PeerError in one
+    line if it cannot start (no such program)."""
     with open(log_path, "w") as log:
         try:
-            code = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            raise PeerError(f"{command[0]}: still running after {timeout} s (its output: {log_path})") from None
+            return subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         except OSError as e:
             raise PeerError(f"{command[0]}: {e.strerror}") from None
+
+
+def finish(process, log_path, timeout):
+    """The output of process (from start) once it exits. PeerError in one line, with the last
+    lines of its output, if it fails or outlasts timeout seconds (then it is killed)."""
+    name = " ".join(process.args[:2])
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        code = None
     with open(log_path, errors="replace") as f:
         text = f.read()
+    lines = text.strip().splitlines()
+    if code is None:
+        raise PeerError(f"{name}: still running after {timeout} s, stopped", lines[-LOG_TAIL_LINES:])
     if code != 0:
-        last = text.strip().splitlines()[-1:] or ["no output"]
-        raise PeerError(f"{' '.join(command[:2])} exited with {code}: {last[0][:300]} (its output: {log_path})")
+        raise PeerError(f"{name} exited with {code}: {(lines or ['no output'])[-1][:300]}", lines[-LOG_TAIL_LINES:])
     return text
+
+
+def run(command, cwd, log_path, timeout):
+    """Runs command in cwd, its output (stdout and stderr) written to log_path and returned; PeerError
+    as start's and finish's."""
+    return finish(start(command, cwd, log_path), log_path, timeout)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -241,7 +346,8 @@ class PeersConfig:
     total_batch_size: int  # tokens per optimizer step, the same for every program
     steps: int  # steps timed, after the warm-up steps and before the last
     warmup: int
-    timeout: int = 1800  # seconds a program may run, its start and compilation included
+    gpu_arch: str  # the GPU's compute capability as llm.c's Makefile takes it: "90" for 9.0
+    timeout: int  # seconds a program may run, its start and compilation included (llm.c: its build, after the others)
 
     @property
     def run_steps(self):
@@ -259,26 +365,29 @@ def write_tokens(data_dir, config):
 
 def start_llmc_builds(config, workdir):
     """Scratch copies of llm.c, adapted, and their builds started (on the CPU, while the GPU trains
-    the others): {variant: (directory, process, build log)}. cuDNN's variant only where a
-    cudnn-frontend checkout is found."""
+    the others): {variant: (directory, make's process or the PeerError that stopped it, build log)}.
+    cuDNN's variant is an error where no cudnn-frontend checkout is found."""
     include = cudnn_frontend(config.llmc)
+    toolkit_lib = cuda_toolkit_lib()
     builds = {}
     for variant, cudnn in (("llm.c", None), ("llm.c-cudnn", include)):
-        if variant == "llm.c-cudnn" and include is None:
-            continue
-        scratch = os.path.join(workdir, variant)
-        adapt_llmc(config.llmc, scratch)
-        log_path = os.path.join(workdir, f"{variant}-build.log")
-        with open(log_path, "w") as log:
-            command = llmc_make_command(cudnn, cudnn_wheel(scratch) if cudnn else None)
-            build = subprocess.Popen(command, cwd=scratch, stdout=log, stderr=subprocess.STDOUT)
-        builds[variant] = scratch, build, log_path
+        scratch, log_path = os.path.join(workdir, variant), os.path.join(workdir, f"{variant}-build.log")
+        try:
+            if variant == "llm.c-cudnn" and include is None:
+                raise PeerError(f"no cudnn-frontend checkout in {config.llmc} or ~ (its include/ as "
+                                f"llm.c/cudnn-frontend/include: docs/benchmarks.md)")
+            adapt_llmc(config.llmc, scratch)
+            command = llmc_make_command(config.gpu_arch, cudnn, cudnn_wheel(scratch) if cudnn else None, toolkit_lib)
+            builds[variant] = scratch, start(command, scratch, log_path), log_path
+        except PeerError as e:
+            builds[variant] = scratch, e, log_path
     return builds
 
 
 def bench_peers(config, workdir, record):
     """Times each variant in turn and records each as a result named peers; a peer that fails is
-    recorded with its error, and the others still run."""
+    recorded with its error and the last lines of its output, and the others still run."""
+    workdir = os.path.abspath(workdir)  # the programs run in scratch copies inside it
     data_dir = os.path.join(workdir, "peers-data")
     write_tokens(data_dir, config)
     train_pattern, val_pattern = llmc_token_files(data_dir, os.path.join(workdir, "peers-llmc-data"))
@@ -292,33 +401,33 @@ def bench_peers(config, workdir, record):
             result.update(read_log(program, text, config.total_batch_size, config.warmup))
         except PeerError as e:
             print(f"warning: peers: {variant}: {e}", file=sys.stderr)
+            print("".join(f"    {line}\n" for line in e.log_tail), end="", file=sys.stderr)
             result["error"] = str(e)
+            if e.log_tail:
+                result["log_tail"] = e.log_tail
         record(result)
         return result
 
     B, T, total = config.micro_batch_size, config.seq_len, config.total_batch_size
-    results = [measure("project", "project", lambda: project_command(data_dir, os.path.join(workdir, "project-log"),
-                                                                      B, T, total, config.run_steps), workdir)]
-    nanogpt = os.path.join(workdir, "build-nanogpt")
-    results.append(measure("build-nanogpt", "build-nanogpt", lambda: [sys.executable, adapt_build_nanogpt(
-        config.build_nanogpt, nanogpt, data_dir, B, T, total, config.run_steps)], nanogpt))
-    for variant in ("llm.c", "llm.c-cudnn"):
-        if variant not in builds:
-            results.append(measure(variant, "llm.c", lambda: no_cudnn_frontend(config.llmc), workdir))
-            continue
-        scratch, build, log_path = builds[variant]
-
-        def command():
-            if build.wait() != 0:
-                raise PeerError(f"make exited with {build.returncode} (its output: {log_path})")
-            return llmc_run_command("./train_gpt2cu", train_pattern, val_pattern, B, T, total, config.run_steps)
-        results.append(measure(variant, "llm.c", command, scratch))
+    try:
+        results = [measure("project", "project", lambda: project_command(
+            data_dir, os.path.join(workdir, "project-log"), B, T, total, config.run_steps), workdir)]
+        nanogpt = os.path.join(workdir, "build-nanogpt")
+        results.append(measure("build-nanogpt", "build-nanogpt", lambda: [sys.executable, adapt_build_nanogpt(
+            config.build_nanogpt, nanogpt, data_dir, B, T, total, config.run_steps)], nanogpt))
+        for variant, (scratch, build, log_path) in builds.items():
+            def command():
+                if isinstance(build, PeerError):
+                    raise build
+                finish(build, log_path, config.timeout)
+                return llmc_run_command("./train_gpt2cu", train_pattern, val_pattern, B, T, total, config.run_steps)
+            results.append(measure(variant, "llm.c", command, scratch))
+    finally:  # a run cut short leaves no build behind
+        for _, build, _ in builds.values():
+            if isinstance(build, subprocess.Popen) and build.poll() is None:
+                build.kill()
+                build.wait()
     print_ratios(results)
-
-
-def no_cudnn_frontend(llmc):
-    raise PeerError(f"no cudnn-frontend checkout in {llmc} or ~ (git clone https://github.com/NVIDIA/cudnn-frontend "
-                    f"into either)")
 
 
 def print_ratios(results):
@@ -326,3 +435,68 @@ def print_ratios(results):
     for result in results[1:]:
         if project and result.get("tokens_per_sec"):
             print(f"project / {result['variant']}: {project / result['tokens_per_sec']:.3f}x tokens/s")
+
+
+# ----------------------------------------------------------------------------- the probe
+
+RUNTIME_LIBRARIES = ("libcuda", "libcublas", "libcublasLt", "libnvrtc", "libcudnn")  # what llm.c's binaries load
+
+
+def library_dirs():
+    """{where: [directories]} that the probe searches for RUNTIME_LIBRARIES: the toolkit's (llm.c's
+    rpath is one), LD_LIBRARY_PATH's, the nvidia wheels' beside torch, and the loader cache's (ldconfig -p)."""
+    places = {"toolkit": nvcc_library_dirs(),
+              "LD_LIBRARY_PATH": [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]}
+    try:
+        import nvidia
+        places["wheels"] = sorted(glob.glob(os.path.join(glob.escape(list(nvidia.__path__)[0]), "*", "lib")))
+    except ImportError:
+        places["wheels"] = []
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        cache = ""
+    places["loader cache"] = sorted({os.path.dirname(line.split(" => ")[1]) for line in cache.splitlines()
+                                     if " => " in line})
+    return places
+
+
+def tool_version(command, line):
+    """Where command's program is on PATH, and the line of its output at index line; "missing"
+    without it."""
+    path = shutil.which(command[0])
+    if path is None:
+        return f"{command[0]}: missing"
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        said = out[line] if -len(out) <= line < len(out) else "no output"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        said = str(e)
+    return f"{command[0]}: {path} ({said})"
+
+
+def probe():
+    """Lines that say what the peers need of this machine: the GPU and torch, make and nvcc, and
+    where each library llm.c's binaries load lies (a run that fails to load one is read against them)."""
+    import torch
+    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+             f"python {sys.version.split()[0]}"]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        lines.append(f"GPU {torch.cuda.get_device_name()}: compute capability {major}.{minor}, "
+                     f"GPU_COMPUTE_CAPABILITY={major}{minor}")
+    else:
+        lines.append("GPU: none that torch sees")
+    lines += [tool_version(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], 0),
+              tool_version(["make", "--version"], 0), tool_version(["nvcc", "--version"], -2),
+              f"llm.c's rpath to the toolkit's libraries: {cuda_toolkit_lib()}"]
+    places = library_dirs()
+    for library in RUNTIME_LIBRARIES:
+        found = [f"{path} ({where})" for where, dirs in places.items() for d in dirs
+                 for path in sorted(glob.glob(os.path.join(glob.escape(d), f"{library}.so*")))]
+        lines.append(f"{library}: {', '.join(found) or 'not found'}")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(probe()))

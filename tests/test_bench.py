@@ -1,6 +1,9 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
+import gzip
 import json
 import os
+import re
+import shlex
 from types import SimpleNamespace
 
 import numpy as np
@@ -341,14 +344,17 @@ def test_profile_on_the_cpu_prints_a_table_of_the_step_and_writes_the_trace(tmp_
     table = printed[printed.index("profile of train's step"):].splitlines()
     assert table[2].split() == ["category", "ms/step", "share"]
     assert [line.split()[0] for line in table[3:3 + len(CATEGORIES) + 1]] == CATEGORIES + ["idle"]
-    assert table[-1] == f"trace: {tmp_path / 'bench.trace.json'}" == f"trace: {profile['trace']}"
-    trace = json.loads((tmp_path / "bench.trace.json").read_text())
+    assert table[-1] == f"trace: {tmp_path / 'bench.trace.json.gz'}" == f"trace: {profile['trace']}"
+    with gzip.open(tmp_path / "bench.trace.json.gz") as f:
+        trace = json.load(f)
     assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+    assert sorted(os.listdir(tmp_path)) == ["bench.json", "bench.trace.json.gz"]
 
 
 def test_the_trace_goes_beside_the_json(tmp_path):
-    assert bench.parse_args(["--quick", "--profile"]).trace == "bench.trace.json"
-    assert bench.parse_args(["--quick", "--profile", "--json", str(tmp_path / "x.json")]).trace == str(tmp_path / "x.trace.json")
+    assert bench.parse_args(["--quick", "--profile"]).trace == "bench.trace.json.gz"
+    assert bench.parse_args(["--quick", "--profile", "--json", str(tmp_path / "x.json")]).trace == str(
+        tmp_path / "x.trace.json.gz")
     assert bench.parse_args(["--quick"]).trace is None
 
 
@@ -359,7 +365,53 @@ def test_a_trace_that_cannot_be_written_is_said_and_leaves_nothing(tmp_path):
                         "--warmup", "1", "--profile", "--json", tmp_path / "x.json",
                         preexec_fn=file_size_limit(200_000))  # the results fit, the trace not
     assert result.returncode == 0, result.stderr
-    assert f"warning: could not write the trace {tmp_path / 'x.trace.json'}: " in result.stderr
+    assert f"warning: could not write the trace {tmp_path / 'x.trace.json.gz'}: " in result.stderr
     assert result.stdout.rstrip().endswith("trace: not written")
     assert os.listdir(tmp_path) == ["x.json"]
     assert json.loads((tmp_path / "x.json").read_text())["results"][-1]["trace"] is None
+
+
+def gpu_sh_jobs():
+    """{part: [(job name, timeout in seconds, its arguments)]} of bench/gpu.sh, and its KILL_AFTER,
+    read from the script: each part is a function whose every command is a `run NAME SECONDS ...`."""
+    with open(os.path.join(os.path.dirname(bench.__file__), "bench", "gpu.sh")) as f:
+        script = f.read().replace("\\\n", " ")
+    kill_after = int(re.search(r"^KILL_AFTER=(\d+)", script, re.MULTILINE).group(1))
+    parts = {}
+    for part, body in re.findall(r"^(part\d)\(\) \{\n(.*?)^\}", script, re.MULTILINE | re.DOTALL):
+        lines = [shlex.split(line) for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+        assert all(words[0] == "run" for words in lines), (part, lines)  # nothing outside a timeout
+        parts[part] = [(words[1], int(words[2]), words[3:]) for words in lines]
+    return parts, kill_after
+
+
+def test_each_part_of_gpu_sh_fits_one_job():
+    """A GPU job runs under 10 minutes and brings back at most 8 files: each part's timeouts, with
+    the grace before the kill, add up to at most 540 s, and it writes at most 8 files (a log per job,
+    each file it names in OUT, and the trace beside a profile's JSON). A peer's own timeout fits
+    inside its job's."""
+    parts, kill_after = gpu_sh_jobs()
+    assert set(parts) == {"part1", "part2", "part3"}
+    for part, jobs in parts.items():
+        assert sum(seconds + kill_after for _, seconds, _ in jobs) <= 540, part
+        files = {f"{name}.log" for name, _, _ in jobs}
+        for _, _, args in jobs:
+            named = [arg.split("$OUT/", 1)[1] for arg in args if arg.startswith("$OUT/")]
+            files.update(named)
+            if "--profile" in args:
+                files.add(os.path.basename(bench.trace_path(args[args.index("--json") + 1])))
+        assert len(files) <= 8, (part, files)
+    [(_, seconds, args)] = [job for job in parts["part1"] if job[0] == "peers"]
+    assert int(args[args.index("--peer_timeout") + 1]) < seconds
+
+
+def test_gpu_sh_runs_the_jobs_the_issue_asks_for_in_each_part():
+    """part1: the probe, the peers, the profile alone; part2: the cuda tests verbosely (a timeout's
+    kill must leave each test's name), the loss variants; part3: the slow levers."""
+    parts, _ = gpu_sh_jobs()
+    names = {part: [name for name, _, _ in jobs] for part, jobs in parts.items()}
+    assert names["part1"] == ["probe", "peers", "profile"] and "cuda-tests" in names["part2"]
+    [tests] = [args for name, _, args in parts["part2"] if name == "cuda-tests"]
+    assert tests[tests.index("-o"):] == ["-o", "addopts=", "-v", "-rA", "--durations=0"]
+    levers = [args[args.index("--levers") + 1] for jobs in parts.values() for _, _, args in jobs if "--levers" in args]
+    assert "$LOSS_VARIANTS,cudnn_attention" in levers and "cuda_graphs,coordinate_descent" in levers

@@ -17,6 +17,13 @@ CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4,
 ON_CUDA = ["--device", "cuda", "--dtype", "bfloat16"]  # after TINY, whose cpu and float32 they override
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: one process compiles some seven configurations, near
+    Dynamo's limit of 8 recompilations of one function, past which it falls back to eager."""
+    torch._dynamo.reset()
+
+
 def batch(B=4, T=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, N_VOCAB, (B, T + 1), generator=g)
