@@ -498,7 +498,10 @@ class Checkpointer:
 
     def save(self, step, trainable, train_loader, flags):
         """Saves trainable and the loader at step, on every rank at once: a refusal (weights
-        that are not finite) then stops every rank, none left waiting at the next collective."""
+        that are not finite) then stops every rank, none left waiting at the next collective.
+        An interval of -1 saves nothing."""
+        if self.interval < 0:
+            return
         local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
         finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")

@@ -264,7 +264,8 @@ def project_command(data_dir, log_dir, B, T, total_batch_size, steps):
     """This project's trainer with its defaults, on data_dir, with no evaluation, samples or HellaSwag."""
     return [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
             "-B", str(B), "-T", str(T), "--total_batch_size", str(total_batch_size), "--max_steps", str(steps),
-            "--eval_interval", "0", "--hellaswag", "0", "--sample_interval", "0", "--resume", "none"]
+            "--eval_interval", "0", "--hellaswag", "0", "--sample_interval", "0", "--resume", "none",
+            "--checkpoint_interval", "-1"]  # GPT-2 (124M)'s is 1.5 GB: time and disk the timed job lacks
 
 
 # ----------------------------------------------------------------------------- the logs

@@ -84,13 +84,17 @@ class EvalConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints, and where a run resumes."""
-    checkpoint_interval: int = setting(5000, "checkpoint every N steps and at the end (0: only at the end)")
+    checkpoint_interval: int = setting(5000, "checkpoint every N steps and at the end (0: only at the end; -1: "
+                                             "never, not even on a stop signal: a benchmark's run)")
     keep_last: int = setting(0, "keep only the newest N checkpoints (0: keep all)")
     async_checkpoint: bool = setting(False, "with --fsdp 1, write checkpoints in the background while training goes on")
     resume: str = setting("auto", "auto: newest checkpoint in log_dir, if any; none: start over; or a checkpoint path")
 
     def __post_init__(self):
-        check_not_negative(self, "checkpoint_interval", "keep_last")
+        check_not_negative(self, "keep_last")
+        if self.checkpoint_interval < -1:
+            raise ValueError(f"--checkpoint_interval must be -1 (never), 0 (at the end) or more, not "
+                             f"{self.checkpoint_interval}")
 
 
 @dataclass(frozen=True)

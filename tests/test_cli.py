@@ -77,6 +77,7 @@ def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once()
     (["--max_lr", "0"], "--max_lr must be positive, not 0.0"),
     (["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be in [0, 1), not 1.0"),
     (["--recompute_every", "0"], "--recompute_every must be positive, not 0"),
+    (["--checkpoint_interval", "-2"], "--checkpoint_interval must be -1 (never), 0 (at the end) or more, not -2"),
     (["--val_steps", "0"], "--val_steps must be positive, not 0"),
     (["--async_checkpoint"], "--async_checkpoint writes sharded checkpoints: it needs --fsdp 1"),
     (["--chunked_loss", "1", "--fused_loss", "1"], "--chunked_loss and --fused_loss are two ways to compute one loss: "

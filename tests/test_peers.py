@@ -295,7 +295,6 @@ def test_the_projects_own_log_is_read_back(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the trainer change: a flag that writes no checkpoint, not even the last")
 def test_the_projects_run_writes_no_checkpoint(tmp_path):
     """At GPT-2 (124M) its last checkpoint is 1.5 GB, written after the timed steps: time and disk
     the benchmark's job does not have."""
