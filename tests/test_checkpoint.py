@@ -151,7 +151,7 @@ STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
     (zero, STORAGE_FILE, "damaged storage file (UnpicklingError"),
     (truncate, STORAGE_FILE, "truncated or damaged storage file"),
     (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
-    (to_dev_zero, ".metadata", "a device, not a regular file"),
+    (to_dev_zero, ".metadata", "a symbolic link, not a regular file"),
 ])
 def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                                   capsys, damage, file, expected):
@@ -282,11 +282,12 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-def test_a_storage_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys):
+@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata"])
+def test_a_storage_or_metadata_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
     ckpt = copy / "ckpt_000004"
-    shutil.move(ckpt / STORAGE_FILE, tmp_path / "elsewhere.distcp")
-    os.symlink(tmp_path / "elsewhere.distcp", ckpt / STORAGE_FILE)
-    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / STORAGE_FILE}: a symbolic link, not a regular file")
+    shutil.move(ckpt / file, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", ckpt / file)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / file}: a symbolic link, not a regular file")
 
 
 def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():
