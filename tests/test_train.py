@@ -362,6 +362,27 @@ def test_a_padding_id_in_a_train_or_val_shard_stops_a_gpt2_vocab_run_before_trai
     assert not os.path.exists(tmp_path / "log" / "log.jsonl")
 
 
+def resumed_with_another_weight_decay(shards, log_dir):
+    """A 2-step run of --weight_decay 0.1, resumed to step 4 under --weight_decay 0."""
+    run = ["--total_batch_size", "256", "-B", "8"]
+    train(shards, log_dir, *run, "--max_steps", "2", "--weight_decay", "0.1")
+    train(shards, log_dir, *run, "--max_steps", "4", "--weight_decay", "0")
+
+
+def test_a_resume_trains_with_this_runs_weight_decay_not_the_checkpoints(shards, tmp_path):
+    resumed_with_another_weight_decay(shards, tmp_path)
+    state = load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
+    assert state["args"]["weight_decay"] == 0.0
+
+
+@pytest.mark.xfail(strict=True, reason="needs the trainer change: Checkpointer.restore given cfg.flags()")
+def test_a_resume_under_changed_hyperparameters_says_which_old_to_new(shards, tmp_path, capsys):
+    resumed_with_another_weight_decay(shards, tmp_path)
+    assert "this run's flags win over the checkpoint's: decay_steps 2 -> 4, weight_decay 0.1 -> 0.0\n" in \
+        capsys.readouterr().out
+
+
 def test_resume_is_exact_across_several_epochs(tmp_path):
     data = str(tmp_path / "data")
     write_token_shards(data, n_train=3, tokens_per_shard=600, n_val=600)  # 7 steps an epoch
