@@ -115,7 +115,8 @@ def popen_node(node_rank, port, *args):
 
 def run_two_nodes(*args, stop_at_step=None):
     """Both nodes' launchers to the end; with stop_at_step, node 1's gets SIGTERM once the shared
-    log_dir's log.jsonl holds that step, as a cluster preempting one node sends it."""
+    log_dir's log.jsonl holds that step, as a cluster preempting one node sends it, and node 0's
+    once node 1's has exited."""
     import json
     import signal
     import socket
@@ -133,6 +134,11 @@ def run_two_nodes(*args, stop_at_step=None):
                 nodes[1].send_signal(signal.SIGTERM)
                 break
             time.sleep(0.05)
+        stopped = finish_torchrun(nodes[1], timeout=180)
+        # Node 0's worker has checkpointed and exited with the others; its launcher would wait at
+        # torchrun's exit barrier (300 s) for node 1's, which the signal ended: the cluster ends it too.
+        nodes[0].send_signal(signal.SIGTERM)
+        return [finish_torchrun(nodes[0], timeout=180), stopped]
     return [finish_torchrun(node, timeout=180) for node in nodes]
 
 
