@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
-from cli import Parser, first_line
+from cli import Parser, brief, first_line
 from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
@@ -174,26 +174,41 @@ def restoring(path, field):
         raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
-# How this run steps, not what the saved run learned: AdamW's kernel, and Muon's peak lr over --max_lr.
-RUN_SETTINGS = ("fused", "foreach", "capturable", "lr_scale")
+# The flags that set the optimizer's hyperparameters (the schedule's among them): on resume, this
+# run's values are the ones it trains with, and changed_hyperparameters names those that changed.
+HYPERPARAMETER_FLAGS = ("max_lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "muon_lr",
+                        "muon_momentum", "muon_weight_decay", "grad_clip")
 
 
 def load_optimizer_state(optimizer, saved):
-    """Loads saved (optimizer.state_dict()'s form) into optimizer, keeping this run's settings: a
-    run saved on a CPU resumes with the fused AdamW on a GPU, and back, and a resume under another
-    --muon_lr runs at it, as one under another --max_lr runs at that. The settings go into the saved
-    groups before loading: load_state_dict places each `step` counter by them (fused and capturable
-    kernels read it as float32 on the parameter's device)."""
+    """Loads saved (optimizer.state_dict()'s form) into optimizer: what the saved run learned (the
+    moments, momentum buffers and step counters), under this run's settings, which its flags set:
+    weight decay, betas, eps, Muon's momentum, nesterov and lr_scale (--muon_lr over --max_lr), and
+    AdamW's kernel (a run saved on a CPU resumes with the fused AdamW on a GPU, and back). The
+    settings go into the saved groups before loading: load_state_dict places each `step` counter
+    by them (fused and capturable kernels read it as float32 on the parameter's device)."""
     for part, saved_part in saved_parts(optimizer, saved):
         part.load_state_dict({**saved_part, "param_groups": with_run_settings(saved_part["param_groups"], part)})
 
 
 def with_run_settings(saved_groups, optimizer):
+    """saved_groups (a state dict's param_groups) with every setting of optimizer's groups in place
+    of the saved ones: only each group's "params", which say whose state is whose, stay saved."""
     if len(saved_groups) != len(optimizer.param_groups):  # zip would drop the extra ones without a word
         raise ValueError(f"{len(saved_groups)} parameter groups saved, this run's optimizer has "
                          f"{len(optimizer.param_groups)}")
-    return [{**saved_group, **{k: group[k] for k in RUN_SETTINGS if k in group}}
+    return [{**saved_group, **{k: v for k, v in group.items() if k != "params"}}
             for saved_group, group in zip(saved_groups, optimizer.param_groups)]
+
+
+def changed_hyperparameters(saved_flags, flags):
+    """["name old -> new"] for each of HYPERPARAMETER_FLAGS whose value in flags (this run's, as
+    TrainConfig.flags() gives them) differs from saved_flags, a checkpoint's record of its run's
+    ("args"); nothing for a flag the record lacks, or a checkpoint with no record."""
+    if not isinstance(saved_flags, dict):
+        return []
+    return [f"{name} {brief(saved_flags[name])} -> {flags[name]}" for name in HYPERPARAMETER_FLAGS
+            if name in saved_flags and name in flags and saved_flags[name] != flags[name]]
 
 
 def optimizer_state_problem(raw_model, optimizer):
@@ -550,13 +565,14 @@ class Checkpointer:
             prune_checkpoints(self.log_dir, self.keep_last)
         self.log(f"saved {path}")
 
-    def restore(self, resume, trainable, train_loader, max_steps):
+    def restore(self, resume, trainable, train_loader, max_steps, flags=None):
         """Restores the checkpoint resume names ("auto", "none" or a path) into trainable and the
-        loader;
-        returns the step to start from. Every rank reads the checkpoint itself, so all must find
-        the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
-        checkpoint whose storage files cannot be read (damage shows only then) is passed over for the
-        next older one, which overwrites whatever the failed restore had loaded."""
+        loader, under this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs
+        those that differ from the checkpoint's record in one line. Returns the step to start from.
+        Every rank reads the checkpoint itself, so all must find the same one: on several nodes,
+        log_dir must be shared storage. Under "auto", a sharded checkpoint whose storage files
+        cannot be read (damage shows only then) is passed over for the next older one, which
+        overwrites whatever the failed restore had loaded."""
         found = find_resume(resume, self.log_dir)
         while True:
             steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
@@ -576,6 +592,9 @@ class Checkpointer:
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
         self.log(f"resuming from {path} at step {step}")
+        changed = changed_hyperparameters(state.get("args"), flags or {})
+        if changed:
+            self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
         if resume != "auto" and step < max_steps:
             check_no_later_checkpoints(self.log_dir, step)
         return step

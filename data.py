@@ -11,6 +11,7 @@ import re
 import numpy as np
 
 from atomic import atomic_open
+from tokenizer import N_VOCAB
 
 TINY_SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")  # the demo corpus
 SHARD_DTYPE = np.dtype("<u2")  # uint16: GPT-2's 50257 ids fit, at two bytes a token
@@ -98,8 +99,9 @@ class Shard:
         return tokens
 
     def check_ids(self, vocab_size, full=False):
-        """Raises ShardError naming the shard if an id is >= vocab_size. The quick check reads
-        the first, middle and last 64K tokens; full=True reads every token."""
+        """Raises ShardError naming the shard if an id is not one a model of vocab_size trains on
+        (see check_ids). The quick check reads the first, middle and last 64K tokens; full=True
+        reads every token."""
         chunk = 1 << 24 if full else 1 << 16
         if full:
             starts = range(0, self.n_tokens, chunk)
@@ -110,10 +112,18 @@ class Shard:
 
 
 def check_ids(path, tokens, start, vocab_size):
-    """Raises ShardError if tokens, read from path at position start, hold an id >= vocab_size."""
-    if tokens.max() >= vocab_size:
-        bad = int(np.argmax(tokens >= vocab_size))
-        raise ShardError(f"{path}: token id {int(tokens[bad])} at position {start + bad} is >= vocab_size {vocab_size}")
+    """Raises ShardError if tokens, read from path at position start, hold an id that is not one
+    of the tokenizer's: shards hold GPT-2's N_VOCAB ids, so a model of vocab_size trains on the
+    ids below min(vocab_size, N_VOCAB). The rows of a padded table above N_VOCAB exist for speed
+    alone: no tokenizer emits their ids, so one in a shard means another tokenizer or damage."""
+    bound = min(vocab_size, N_VOCAB)
+    if tokens.max() >= bound:
+        bad = int(np.argmax(tokens >= bound))
+        token = int(tokens[bad])
+        why = (f"is >= vocab_size {vocab_size}" if token >= vocab_size else
+               f"is a padding row: ids {N_VOCAB}-{vocab_size - 1} only pad the embedding to {vocab_size} rows, "
+               f"and no GPT-2 tokenizer emits them (a shard of another tokenizer, or a damaged one)")
+        raise ShardError(f"{path}: token id {token} at position {start + bad} {why}")
 
 
 class ShardLoader:
@@ -127,6 +137,7 @@ class ShardLoader:
     data an epoch ends and the next begins. From the second epoch on (when shuffle is on)
     the shard order and the order of the windows within each shard are permuted, by a
     permutation that depends only on seed and the epoch, so every rank derives the same one.
+    Given vocab_size, every window read has its ids checked as Shard.check_ids does.
     """
 
     def __init__(self, paths, B, T, rank=0, world_size=1, seed=1337, shuffle=True, vocab_size=None):

@@ -81,8 +81,11 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path):
-    """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone."""
+    """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone from
+    its .metadata, a regular file in path (not a link)."""
     file = os.path.join(path, ".metadata")
+    if os.path.islink(file):  # a link could lead anywhere, as a storage file's could
+        raise CheckpointError(f"{file}: a symbolic link, not a regular file: no .metadata that train_gpt2.py writes")
     try:
         with open_regular(file, "rb") as f:
             data = f.read(MAX_METADATA_BYTES + 1)

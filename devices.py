@@ -41,17 +41,22 @@ PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H
 
 
 def pick_device(name="auto", local_rank=None):
-    """A torch device string. auto: cuda, else mps, else cpu. Under torchrun (local_rank given)
-    each process takes its own GPU, cuda:LOCAL_RANK, and no other: DDP's device_ids and NCCL
-    assume it. ValueError if the device cannot be used here."""
+    """The torch device string for name: auto, cpu, cuda, cuda:K or mps (auto: cuda, else mps,
+    else cpu). Under torchrun (local_rank given) each process takes its own GPU, cuda:LOCAL_RANK,
+    and no other: DDP's device_ids and NCCL assume it. ValueError for any other name (torch's
+    meta, hpu, xla... the code never runs on), or a device that cannot be used here."""
     if name == "auto":
         name = auto_device_type()
+    if not re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", name):
+        raise ValueError("not a device this project runs on: use auto, cpu, cuda, cuda:K or mps")
+    if name.startswith("mps") and not torch.backends.mps.is_available():  # torch's own message is a page long
+        raise ValueError(f"device {name} cannot be used here: this torch or this machine has no Apple GPU (MPS)")
     if name == "cuda":
         name = f"cuda:{local_rank or 0}"
     elif local_rank is not None and name.startswith("cuda:") and name != f"cuda:{local_rank}":
         raise ValueError(f"under torchrun each process takes cuda:LOCAL_RANK (here cuda:{local_rank}): use --device cuda")
     try:
-        torch.empty(0, device=name)  # an unknown name, a missing GPU, a torch built without it
+        torch.empty(0, device=name)  # a missing GPU, a torch built without CUDA
     except (RuntimeError, AssertionError) as e:
         raise ValueError(f"device {name} cannot be used here: {first_line(e)}") from None
     return name

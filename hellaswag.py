@@ -56,6 +56,8 @@ def parse_example(line):
         example = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once a level: arrays nested thousands deep
+        raise ValueError("JSON nested too deep to read (thousands of levels)") from None
     if not isinstance(example, dict):
         raise ValueError("not a JSON object")
     for key in ("ctx", "endings", "label"):

@@ -107,7 +107,7 @@ class MuonAdamW:
 
     def load_state_dict(self, state_dict):
         """Each child from its own entry (checkpoint.load_optimizer_state also keeps this run's
-        AdamW kernel and Muon lr_scale)."""
+        settings in every group)."""
         for name, part in self.parts.items():
             part.load_state_dict(state_dict[name])
 

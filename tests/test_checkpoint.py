@@ -151,7 +151,7 @@ STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
     (zero, STORAGE_FILE, "damaged storage file (UnpicklingError"),
     (truncate, STORAGE_FILE, "truncated or damaged storage file"),
     (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
-    (to_dev_zero, ".metadata", "a device, not a regular file"),
+    (to_dev_zero, ".metadata", "a symbolic link, not a regular file"),
 ])
 def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                                   capsys, damage, file, expected):
@@ -282,11 +282,12 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-def test_a_storage_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys):
+@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata"])
+def test_a_storage_or_metadata_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
     ckpt = copy / "ckpt_000004"
-    shutil.move(ckpt / STORAGE_FILE, tmp_path / "elsewhere.distcp")
-    os.symlink(tmp_path / "elsewhere.distcp", ckpt / STORAGE_FILE)
-    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / STORAGE_FILE}: a symbolic link, not a regular file")
+    shutil.move(ckpt / file, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", ckpt / file)
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / file}: a symbolic link, not a regular file")
 
 
 def test_a_model_path_that_is_missing_or_a_device_is_named_as_such():
@@ -307,3 +308,47 @@ def test_without_a_network_a_hub_model_is_one_line_at_once(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "sample.py: error: cannot load gpt2: it is not in the Hugging Face cache, and 127.0.0.1 cannot be reached "
         "([Errno 111] Connection refused): no network?"]
+
+
+def stepped_optimizer(model, config):
+    """muon.build_optimizer(model, config) after one step, so that it holds state to save."""
+    from muon import build_optimizer
+    optimizer = build_optimizer(model, config, "cpu")
+    model(torch.arange(16).view(1, 16), torch.arange(1, 17).view(1, 16))[1].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # as on resume: DCP's loader sets up no state for parameters with gradients
+    return optimizer
+
+
+@pytest.mark.parametrize("name, sharded", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
+def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_learned(tmp_path, name, sharded):
+    """load_state_dict would restore every saved group's settings: weight decay 0.1 would train on
+    under --weight_decay 0, and Muon's momentum 0.9 under --muon_momentum 0.5."""
+    from muon import OptimizerConfig, torch_optimizers
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    saved = stepped_optimizer(model, OptimizerConfig(name, 1e-3, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.9,
+                                                     muon_weight_decay=0.1))
+    run = OptimizerConfig(name, 2e-3, weight_decay=0.0, muon_lr=0.05, muon_momentum=0.5, muon_weight_decay=0.0)
+    resumed = checkpoint.build_optimizer(model, run, "cpu")
+    if sharded:
+        checkpoint.save_dcp(str(tmp_path / "ckpt"), model, saved, {})
+        checkpoint.load_sharded(str(tmp_path / "ckpt"), model, resumed)
+    else:
+        checkpoint.load_optimizer_state(resumed, saved.state_dict())
+    adamw = torch_optimizers(resumed)[0]
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.0, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in adamw.param_groups)
+    if name == "muon":
+        assert [(g["momentum"], g["weight_decay"], g["lr_scale"]) for g in resumed.muon.param_groups] == [(0.5, 0.0, 25.0)] * 2
+    for p, state in saved.state.items():  # the moments and momentum buffers are the saved run's
+        for key, value in state.items():
+            assert torch.equal(resumed.state[p][key], value), key
+
+
+def test_the_hyperparameters_that_changed_since_the_checkpoint_are_named_old_to_new():
+    record = {"max_lr": 6e-4, "weight_decay": 0.1, "muon_momentum": 0.9, "warmup_steps": 10, "log_dir": "a",
+              "decay_steps": [[]] * 3}
+    run = {**record, "weight_decay": 0.0, "muon_momentum": 0.5, "log_dir": "b", "decay_steps": 100, "muon_lr": 0.02}
+    assert checkpoint.changed_hyperparameters(record, run) == [
+        "decay_steps a list -> 100", "weight_decay 0.1 -> 0.0", "muon_momentum 0.9 -> 0.5"]
+    assert checkpoint.changed_hyperparameters(None, run) == [] and checkpoint.changed_hyperparameters(record, record) == []

@@ -167,6 +167,26 @@ def test_a_token_id_equal_to_vocab_size_is_out_of_range(tmp_path):
         Shard(path).check_ids(256)
 
 
+def test_gpt2s_padding_ids_are_refused_in_both_check_modes_and_while_reading(tmp_path):
+    """Ids 50257-50303 exist only to pad GPT-2's table to 50304 rows: a shard holding one is
+    from another tokenizer, or damaged, whichever way it is read."""
+    path = str(tmp_path / shard_name("pos", "train", 1))
+    write_shard(path, np.r_[np.zeros(40), 50256, np.zeros(40)])  # <|endoftext|>, GPT-2's last real id
+    Shard(path).check_ids(50304, full=True)
+    write_shard(path, np.r_[np.zeros(40), 50257, np.zeros(40)])
+    padding_row = ("token id 50257 at position 40 is a padding row: ids 50257-50303 only pad the embedding "
+                   "to 50304 rows, and no GPT-2 tokenizer emits them")
+    for full in (False, True):
+        with pytest.raises(ShardError, match=f"^{path}: {padding_row}"):
+            Shard(path).check_ids(50304, full=full)
+    loader = ShardLoader([path], B=2, T=8, shuffle=False, vocab_size=50304)
+    loader.next_batch(), loader.next_batch()
+    with pytest.raises(ShardError, match=padding_row):
+        loader.next_batch()
+    with pytest.raises(ShardError, match="token id 50257 at position 40 is >= vocab_size 50257"):
+        Shard(path).check_ids(50257)
+
+
 def test_the_loader_checks_the_ids_it_reads(tmp_path):
     """A bad id the quick check sampled past stops training when a batch reaches it."""
     path = str(tmp_path / shard_name("pos", "train", 1))

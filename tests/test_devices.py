@@ -1,5 +1,6 @@
 """devices.py: the device each process takes, the dtype --dtype auto picks, and the peak FLOPS
 that MFU is measured against."""
+import os
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import devices
-from helpers import REPO
+from helpers import REPO, one_line_error, run_script
 
 
 def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch):
@@ -18,6 +19,30 @@ def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch)
     with pytest.raises(ValueError, match=r"under torchrun each process takes cuda:LOCAL_RANK \(here cuda:3\)"):
         devices.pick_device("cuda:1", local_rank=3)
     assert devices.pick_device("cuda:1") == "cuda:1" and devices.pick_device("cuda") == "cuda:0"  # one process: any
+
+
+@pytest.mark.slow
+def test_a_device_torch_knows_but_the_scripts_do_not_run_on_is_one_line(tmp_path):
+    """meta, hpu, privateuseone: names torch accepts, where the trainer would end in a traceback
+    (no autocast on meta, no torch.hpu module)."""
+    for device in ("meta", "hpu", "privateuseone"):
+        result = run_script("train_gpt2.py", "--preset", "demo", "--device", device, "--log_dir", tmp_path / "log",
+                            "--data_dir", tmp_path / "data")
+        assert result.returncode in (1, 2) and one_line_error(result) == (
+            f"error: --device {device}: not a device this project runs on: use auto, cpu, cuda, cuda:K or mps")
+    assert not os.path.exists(tmp_path / "log") and not os.path.exists(tmp_path / "data")
+    result = run_script("sample.py", "--model", "gpt2", "--device", "meta")
+    assert one_line_error(result) == "sample.py: error: --device meta: not a device this project runs on: use auto, cpu, cuda, cuda:K or mps"
+
+
+def test_only_cpu_cuda_and_mps_are_picked_and_a_missing_mps_is_one_short_line(monkeypatch):
+    for name in ("meta", "hpu", "privateuseone", "xla", "cuda:x", "cpu:", "cuda:0:1"):
+        with pytest.raises(ValueError, match="^not a device this project runs on: use auto, cpu, cuda, cuda:K or mps$"):
+            devices.pick_device(name)
+    assert devices.pick_device("cpu") == "cpu" and devices.pick_device("cpu:0") == "cpu:0"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device mps cannot be used here: this torch or this machine has no Apple GPU \(MPS\)$"):
+        devices.pick_device("mps")
 
 
 def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):

@@ -99,3 +99,71 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     _, before, after = next(line for line in result.stdout.splitlines() if line.startswith("threads ")).split()
     assert after == before
+
+
+def popen_node(node_rank, port, *args):
+    """One node's torchrun launcher (one CPU worker) of a two-node run that meets at 127.0.0.1:port,
+    in its own process group, so that a hung run's worker dies with it."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+           "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--local_addr=127.0.0.1",
+           *map(str, args)]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_two_nodes(*args, stop_at_step=None):
+    """Both nodes' launchers to the end; with stop_at_step, node 1's gets SIGTERM once the shared
+    log_dir's log.jsonl holds that step, as a cluster preempting one node sends it, and node 0's
+    once node 1's has exited."""
+    import json
+    import signal
+    import socket
+    import time
+    from helpers import finish_torchrun
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [popen_node(k, port, *args) for k in (0, 1)]
+    if stop_at_step is not None:
+        log = os.path.join(args[args.index("--log_dir") + 1], "log.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and nodes[1].poll() is None:
+            if os.path.exists(log) and any(json.loads(line).get("step", -1) >= stop_at_step for line in open(log)):
+                nodes[1].send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        stopped = finish_torchrun(nodes[1], timeout=180)
+        # Node 0's worker has checkpointed and exited with the others; its launcher would wait at
+        # torchrun's exit barrier (300 s) for node 1's, which the signal ended: the cluster ends it too.
+        nodes[0].send_signal(signal.SIGTERM)
+        return [finish_torchrun(nodes[0], timeout=180), stopped]
+    return [finish_torchrun(node, timeout=180) for node in nodes]
+
+
+# Steps of 200 micro-steps: long enough that a signal lands mid-run.
+TWO_NODES = ["train_gpt2.py", *TINY, "-B", "1", "--total_batch_size", str(200 * 2 * 32), "--max_steps", "5",
+             "--checkpoint_interval", "0"]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_one_is_preempted(shards, tmp_path):
+    """Two torchrun launchers (--nnodes=2, one process each) on one machine, sharing --log_dir,
+    as the README's multi-node command runs; then node 1 preempted, and both relaunched."""
+    from helpers import read_log, run_torchrun, train_records
+    one_node = run_torchrun(*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "one_node")
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    expected = [r["train_loss"] for r in train_records(read_log(tmp_path / "one_node"))]
+    assert len(expected) == 5
+    for node in run_two_nodes(*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "two_nodes"):
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert [r["train_loss"] for r in train_records(read_log(tmp_path / "two_nodes"))] == expected
+    run = [*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "preempted"]
+    stopped = run_two_nodes(*run, stop_at_step=1)
+    assert "stopping on a signal at step" in stopped[0].stdout + stopped[1].stdout, stopped[1].stderr[-3000:]
+    stopped_at = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path / "preempted"))[-1])
+    assert 1 <= stopped_at < 5
+    for node in run_two_nodes(*run):  # the same commands again: --resume auto
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert [r["train_loss"] for r in train_records(read_log(tmp_path / "preempted"))] == expected

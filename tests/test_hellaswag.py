@@ -205,6 +205,8 @@ def test_labels_may_be_ints_or_digit_strings(examples):
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": true}', "label must be 0 to 3"),
     ('{"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0}', "ctx must be a non-empty string"),
     ('[1, 2]', "not a JSON object"),
+    pytest.param('{"ctx": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deep to read (thousands of levels)",
+                 id="nested-100000-deep"),
 ])
 def test_malformed_lines_are_named(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [EXAMPLES[0], line, EXAMPLES[1]])
