@@ -175,7 +175,7 @@ def setup(cfg):
     saving = cfg.checkpoints
     checkpointer = Checkpointer(cfg.log_dir, saving.checkpoint_interval, saving.keep_last, sharded=bool(cfg.scale.fsdp),
                                 async_save=saving.async_checkpoint, log=log)
-    start_step = checkpointer.restore(saving.resume, trainable, train_loader, cfg.schedule.max_steps)
+    start_step = checkpointer.restore(saving.resume, trainable, train_loader, cfg.schedule.max_steps, cfg.flags())
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, rank == 0, mirrors)

@@ -380,7 +380,6 @@ def test_a_resume_trains_with_this_runs_weight_decay_not_the_checkpoints(shards,
     assert state["args"]["weight_decay"] == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="needs the trainer change: Checkpointer.restore given cfg.flags()")
 def test_a_resume_under_changed_hyperparameters_says_which_old_to_new(shards, tmp_path, capsys):
     resumed_with_another_weight_decay(shards, tmp_path)
     assert "this run's flags win over the checkpoint's: decay_steps 2 -> 4, weight_decay 0.1 -> 0.0\n" in \
