@@ -648,7 +648,7 @@ def parse_args(argv):
     parser.add_argument("--text_field", default="text", help="the JSON field or column holding the text")
     parser.add_argument("--output_dir", help="default edu_fineweb10B (edu_fineweb100B with --version 100B)")
     parser.add_argument("--prefix", default="edufineweb", help="shard names: PREFIX_{val,train}_NNNNNN.npy")
-    parser.add_argument("--shard_size", type=positive_int, default=10**8, help="tokens a shard (default 100M)")
+    parser.add_argument("--shard_size", type=positive_int, default=10**8, help="tokens a shard (default: 100M)")
     parser.add_argument("--num_proc", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1),
                         help="tokenizing processes (default: all cores but one)")
     args = parser.parse_args(argv)

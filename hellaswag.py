@@ -28,7 +28,7 @@ from atomic import atomic_open
 from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
 from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
-from loading import load_model_on
+from loading import check_source, load_model_on
 from tokenizer import get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
@@ -103,7 +103,7 @@ def download(url, path, local_flag="--data"):
     """Fetches url to path through a temporary name (one per process: DDP ranks may download
     at once), renamed once complete: an interrupted download never takes the final name, and a
     failed one leaves no file, nor the directory it made. local_flag: the caller's flag for a
-    local copy, named in the error."""
+    local copy, named in the error; None under --download_only, whose error says where a copy goes."""
     print(f"downloading {url} to {path}")
     directory = os.path.dirname(path)
     made = not os.path.isdir(directory)
@@ -116,9 +116,12 @@ def download(url, path, local_flag="--data"):
         if made:
             with contextlib.suppress(OSError):  # only if empty: a rank beside this one may have put the file there
                 os.rmdir(directory)
-        raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); fetch it once where there is a "
-                             f"network with `python hellaswag.py --download_only`, or pass {local_flag} PATH, "
-                             f"a local copy") from None
+        if local_flag is None:
+            advice = f"run this where there is a network, or copy {os.path.basename(path)} into {directory}"
+        else:
+            advice = (f"fetch it once where there is a network with `python hellaswag.py --download_only`, "
+                      f"or pass {local_flag} PATH, a local copy")
+        raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); {advice}") from None
 
 
 def load_examples(path=None, split="val", cache_dir=None, local_flag="--data"):
@@ -307,8 +310,10 @@ def main(argv=None):
         parser.check_output("--json", args.json)  # now, not after the scoring
 
     try:
-        examples = load_examples(args.data, args.split, args.cache_dir)
-    except HellaSwagError as e:
+        if not args.download_only:
+            check_source(args.model)  # a mistyped -m is the error, not the download that would come first
+        examples = load_examples(args.data, args.split, args.cache_dir, None if args.download_only else "--data")
+    except (CheckpointError, HellaSwagError) as e:
         parser.fail(str(e))
     if args.download_only:
         print(f"{cached_path(args.split, args.cache_dir)}: {len(examples):,} examples, checked")

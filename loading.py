@@ -14,7 +14,7 @@ from checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint,
 from cli import first_line, gpt2_vocab_problem
 from dcp_reader import CheckpointError
 from devices import pick_device
-from model import GPT
+from model import GPT, PRETRAINED
 
 
 def load_model_on(name, device="cpu"):
@@ -37,9 +37,9 @@ def load_model(name_or_path, map_location="cpu", **options):
     Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
     model it cannot load the same way. options: how it runs, as GPT's (the trainer's recompute and
     attention)."""
+    check_source(name_or_path)
     name_or_path = newest_in_log_dir(name_or_path)
-    # A .pt path that is missing is a missing checkpoint, not a model name for the hub.
-    if os.path.isfile(name_or_path) or name_or_path.endswith(".pt") or is_sharded_checkpoint(name_or_path):
+    if os.path.isfile(name_or_path) or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
         model = model_of(name_or_path, state["config"], **options)
         if is_sharded_checkpoint(name_or_path):
@@ -49,9 +49,6 @@ def load_model(name_or_path, map_location="cpu", **options):
                 model.load_state_dict(state["model"])
             except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's
                 raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
-    elif names_a_path(name_or_path) and not os.path.isdir(name_or_path):
-        what = "not a regular file or a directory" if os.path.exists(name_or_path) else "no such file or directory"
-        raise CheckpointError(f"{name_or_path}: {what}")
     else:
         model = load_pretrained(name_or_path, **options)
     for name, tensor in model.state_dict().items():
@@ -60,24 +57,45 @@ def load_model(name_or_path, map_location="cpu", **options):
     return model
 
 
+def check_source(name):
+    """Raises a one-line CheckpointError, at once and before anything is read or downloaded, for a
+    name that cannot be a model load_model takes: a path that is missing or not a file or directory,
+    a directory with neither checkpoints nor a Hugging Face model, or a bare name that is neither
+    OpenAI's GPT-2 (gpt2 ... gpt2-xl) nor a hub id (OWNER/NAME). Every script calls it on its
+    -m/--model/--init_from before its downloads."""
+    if os.path.exists(name):
+        if os.path.isdir(name):
+            if not (is_sharded_checkpoint(name) or list_checkpoints(name)
+                    or os.path.exists(os.path.join(name, "config.json"))):
+                raise CheckpointError(f"{name}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or "
+                                      f"ckpt_XXXXXX/ sharded) nor a Hugging Face GPT-2 model (config.json) in it")
+        elif not os.path.isfile(name):
+            raise CheckpointError(f"{name}: not a regular file or a directory")
+    elif name.endswith(".pt"):
+        raise CheckpointError(f"{name}: no such checkpoint")
+    elif name in PRETRAINED or is_hub_id(name):
+        return
+    elif "/" in name or name.startswith((os.sep, ".", "~")):  # only a path can be written so
+        raise CheckpointError(f"{name}: no such file or directory")
+    else:  # a bare name: a mistyped run folder, more likely than a hub model of no owner
+        raise CheckpointError(f"no such checkpoint or directory {name!r} (and not a GPT-2 model name: "
+                              f"{', '.join(PRETRAINED)})")
+
+
+def is_hub_id(name):
+    """Whether name can be a Hugging Face hub id, OWNER/NAME, rather than a path."""
+    owner, _, repo = name.partition("/")
+    return bool(owner and repo) and "/" not in repo and not owner.startswith((".", "~"))
+
+
 def newest_in_log_dir(path):
     """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
-    log_dir); CheckpointError for a directory that holds neither them nor a Hugging Face model."""
-    if not os.path.isdir(path) or is_sharded_checkpoint(path):
-        return path
-    checkpoints = list_checkpoints(path)
+    log_dir), named on stderr."""
+    checkpoints = [] if not os.path.isdir(path) or is_sharded_checkpoint(path) else list_checkpoints(path)
     if checkpoints:
         print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
         return checkpoints[-1]
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or ckpt_XXXXXX/ "
-                              f"sharded) nor a Hugging Face GPT-2 model (config.json) in it")
     return path
-
-
-def names_a_path(name):
-    """Whether name can only be a path: a hub id is NAME or OWNER/NAME."""
-    return os.path.exists(name) or name.startswith((os.sep, ".", "~")) or name.count("/") > 1
 
 
 def load_pretrained(name_or_path, **options):

@@ -2,6 +2,8 @@
 saves left; and log.jsonl, one record per event, with its mirrors (wandb, TensorBoard)."""
 import json
 import os
+import re
+import shutil
 import sys
 import time
 
@@ -11,6 +13,7 @@ from cli import first_line
 from distributed import RunError
 
 RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
+PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}")  # an earlier run, moved aside by tidy_log_dir
 
 
 def make_log_dir(log_dir):
@@ -35,7 +38,8 @@ def claim_log_dir(log_dir, enabled):
 def tidy_log_dir(log_dir, resume, log, enabled):
     """On rank 0 (enabled): removes what killed saves left; starting over (--resume none) where a
     run already is, moves that run's files into log_dir/previous_<time>/, so that no directory
-    ever holds two runs' checkpoints."""
+    ever holds two runs' checkpoints, and removes the previous_<time>/ an earlier start-over made:
+    log_dir keeps at most one earlier run, however often a run starts over there."""
     if not enabled:
         return
     try:
@@ -43,13 +47,25 @@ def tidy_log_dir(log_dir, resume, log, enabled):
         names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
         if resume != "none" or not names:
             return
+        older = [path for path in (os.path.join(log_dir, name) for name in sorted(os.listdir(log_dir))
+                                   if PREVIOUS_RE.fullmatch(name)) if os.path.isdir(path) and not os.path.islink(path)]
+        removed = [f"{path} ({megabytes(path)})" for path in older]
+        for path in older:  # first: a start-over within the same second takes the same name
+            shutil.rmtree(path)
         aside = os.path.join(log_dir, time.strftime("previous_%Y%m%d-%H%M%S", time.gmtime()))
         os.makedirs(aside)
         for name in names:
             os.rename(os.path.join(log_dir, name), os.path.join(aside, name))
     except OSError as e:
         raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
-    log(f"--resume none: moved the earlier run's files ({', '.join(sorted(names))}) to {aside}")
+    log(f"--resume none: moved the earlier run ({megabytes(aside)}) to {aside}"
+        + (f", and removed the one before it, {', '.join(removed)}" if removed else ""))
+
+
+def megabytes(directory):
+    """The size of the files under directory, as "84.2 MB"."""
+    size = sum(os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(directory) for name in files)
+    return f"{size / 1e6:,.1f} MB"
 
 
 class MetricsLog:

@@ -117,18 +117,6 @@ def summary(run):
     return "; ".join(parts)
 
 
-def loss_limits(runs):
-    """Loss starts near ln(50257) = 10.8 and falls fast: leave the first 5% of each run off
-    the scale so the part worth comparing fills the panel."""
-    late = [v for run in runs for key in ("train", "val")
-            for step, _, v in zip(*run[key]) if step >= 0.05 * run["steps"]]
-    if not late:
-        return None
-    low, high = min(late + [GPT2_VAL_LOSS]), max(late + [GPT2_VAL_LOSS])
-    margin = 0.05 * (high - low) or 0.1
-    return low - margin, high + margin
-
-
 def plot(runs, out, image_format, x):
     fig, (ax_loss, ax_hs) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -143,9 +131,6 @@ def plot(runs, out, image_format, x):
     ax_hs.axhline(GPT3_HELLASWAG, color="k", ls=":", lw=1, label=f"OpenAI GPT-3 Small {GPT3_HELLASWAG}")
     if not any(run["hellaswag"][0] for run in runs):
         ax_hs.text(0.5, 0.5, "no HellaSwag evaluations in the log", transform=ax_hs.transAxes, ha="center")
-    limits = loss_limits(runs)
-    if limits:
-        ax_loss.set_ylim(*limits)
     ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
     ax_hs.set(title="HellaSwag acc_norm", ylabel="accuracy")
     tokens_axis(runs, x, (ax_loss, ax_hs))

@@ -182,6 +182,7 @@ def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, mon
         if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.help:
             shown = formatter._get_help_string(action)
             assert "%(default)s" in shown or "(default:" in shown, action.dest
+            assert shown.replace("%(default)s", "").count("(default") == 1, f"{action.dest}: its default shown twice"
 
 
 def test_a_config_file_too_large_is_one_line(tmp_path, capsys):

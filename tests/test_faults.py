@@ -434,6 +434,28 @@ def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_move
     assert_each_step_logged_once(tmp_path, 8)
 
 
+@pytest.mark.slow
+def test_runs_that_start_over_keep_one_earlier_run_and_say_where_it_went(shards, tmp_path, capsys):
+    """As the demo's reruns do (its preset sets --resume none): the third run removes the first."""
+    flags = [*RUN, "--max_steps", "2", "--resume", "none"]
+    records = [train(shards, tmp_path, *flags)]
+    assert "moved the earlier run" not in capsys.readouterr().out
+    records.append(train(shards, tmp_path, *flags))
+    [first] = [name for name in listdir(tmp_path) if name.startswith("previous_")]
+    assert (f"--resume none: moved the earlier run ({logdir.megabytes(tmp_path / first)}) to {tmp_path / first}\n"
+            in capsys.readouterr().out)
+    assert read_log(tmp_path / first) == records[0]
+    first_size = logdir.megabytes(tmp_path / first)
+    train(shards, tmp_path, *flags)
+    [second] = [name for name in listdir(tmp_path) if name.startswith("previous_")]
+    moved = [line for line in capsys.readouterr().out.splitlines() if "moved the earlier run" in line]
+    assert moved == [f"--resume none: moved the earlier run ({logdir.megabytes(tmp_path / second)}) to "
+                     f"{tmp_path / second}, and removed the one before it, {tmp_path / first} ({first_size})"]
+    assert sorted(listdir(tmp_path / second)) == ["ckpt_000002.pt", "log.jsonl"]
+    assert read_log(tmp_path / second) == records[1]
+    assert (tmp_path / "ckpt_000002.pt").exists()
+
+
 def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_directory_is_refused(shards, tmp_path,
                                                                                                 capsys):
     train(shards, tmp_path, *RUN, "--max_steps", "4")

@@ -84,6 +84,19 @@ def test_round_trip(tmp_path, fmt):
     assert summary["shards"] == len(shards) > 10 and summary["status"] == "written"
 
 
+def test_building_the_tokenizer_writes_nothing_to_the_temporary_directory(tmp_path):
+    """tiktoken's own loader would copy the ranks into TMPDIR/data-gym-cache."""
+    empty = tmp_path / "tmp"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    code = "from tokenizer import get_encoding; print(get_encoding().encode_ordinary('Hello world'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "TMPDIR": str(empty)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[15496, 995]\n"  # tiktoken's gpt2 ids
+    assert os.listdir(empty) == []
+
+
 def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

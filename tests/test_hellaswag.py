@@ -274,6 +274,33 @@ def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch):
         load_examples(cache_dir=str(tmp_path / "hellaswag"), local_flag="--hellaswag_path")
 
 
+def test_download_only_offline_says_where_a_copy_goes_not_to_run_itself(tmp_path, monkeypatch, capsys):
+    def offline(url, timeout):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    cache = tmp_path / "hellaswag"
+    message = exit_message(capsys, hellaswag.main, "--download_only", "--cache_dir", cache)
+    assert message.endswith(f"(Temporary failure in name resolution); run this where there is a network, "
+                            f"or copy hellaswag_val.jsonl into {cache}")
+    assert "python hellaswag.py --download_only" not in message
+
+
+@pytest.mark.parametrize("model, error", [
+    ("log/ckpt_missing.pt", "log/ckpt_missing.pt: no such checkpoint"),
+    ("log_nothere", "no such checkpoint or directory 'log_nothere' (and not a GPT-2 model name: gpt2, gpt2-medium, "
+                    "gpt2-large, gpt2-xl)"),
+    ("empty", "empty: a directory with neither checkpoints (ckpt_XXXXXX.pt, or ckpt_XXXXXX/ sharded) nor a "
+              "Hugging Face GPT-2 model (config.json) in it")])
+def test_a_model_path_that_is_wrong_is_the_error_before_any_download(tmp_path, monkeypatch, capsys, model, error):
+    def no_download(url, timeout):
+        raise AssertionError(f"downloaded {url}")
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", no_download)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert exit_message(capsys, hellaswag.main, "-m", model, "--cache_dir", tmp_path / "cache") == (
+        f"hellaswag.py: error: {error}")
+
+
 def save_train_checkpoint(model, path, vocab_size=N_VOCAB):
     """The weights of model as train_gpt2.py saves them, optionally in a vocabulary padded for speed."""
     cfg = dataclasses.replace(model.config, vocab_size=vocab_size)

@@ -57,6 +57,21 @@ def test_plot_and_summary_of_two_runs(tmp_path):
     assert png_size(tmp_path / "runs.png") == (1400, 500)
 
 
+def test_the_axes_hold_every_point_plotted_the_first_steps_too(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()  # a loss that falls as a real run's does: from 10.9 to about 4 in a few steps
+    records = [dict(step=s, tokens=s * TOKENS_PER_STEP, train_loss=3.9 + 7 * 0.5 ** s) for s in range(101)]
+    records += [dict(step=s, tokens=s * TOKENS_PER_STEP, val_loss=4.0 + 7 * 0.5 ** s) for s in range(0, 101, 10)]
+    (tmp_path / "run" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    monkeypatch.setattr(plot_log.plt, "close", figures.append)
+    plot_log.plot([plot_log.load_run(str(tmp_path / "run"))], str(tmp_path / "run.png"), "png", "step")
+    lines = [line for ax in figures[0].axes for line in ax.get_lines() if len(line.get_ydata())]
+    assert max(max(line.get_ydata()) for line in lines) == 11.0  # step 0 is plotted
+    for line in lines:
+        low, high = line.axes.get_ylim()
+        assert low <= min(line.get_ydata()) and max(line.get_ydata()) <= high, line.get_label()
+
+
 def test_a_resumed_run_keeps_the_later_entry_of_a_step():
     records = [dict(step=s, tokens=s, val_loss=v) for s, v in ((0, 9.0), (10, 5.0), (20, 4.0), (10, 4.5), (20, 3.9))]
     assert plot_log.series(records, "val_loss") == ([0, 10, 20], [0, 10, 20], [9.0, 4.5, 3.9])

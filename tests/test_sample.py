@@ -75,6 +75,24 @@ def test_a_runs_log_dir_samples_its_newest_checkpoint_and_says_which(padded, tmp
         f"ckpt_XXXXXX/ sharded) nor a Hugging Face GPT-2 model (config.json) in it")
 
 
+def test_a_mistyped_run_folder_is_one_line_at_once_without_asking_the_hub(tmp_path, capsys, monkeypatch):
+    """A bare name that is no path and not GPT-2's is a typo, not a hub model: no probe of the hub."""
+    import loading
+
+    def probe(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+    monkeypatch.setattr(loading, "hub_unreachable", probe)
+    monkeypatch.setattr(loading.GPT, "from_pretrained", probe)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        sample.main(["--model", "log_nothere"])
+    assert capsys.readouterr().err == (
+        "sample.py: error: no such checkpoint or directory 'log_nothere' (and not a GPT-2 model name: "
+        "gpt2, gpt2-medium, gpt2-large, gpt2-xl)\n")
+    assert exit_message(capsys, sample.main, "--model", "./log_nothere/") == (
+        "sample.py: error: ./log_nothere/: no such file or directory")
+
+
 def test_a_prompt_file_is_read_as_is(tmp_path):
     (tmp_path / "prompt.txt").write_bytes(b"Dear Sir,\r\n\r\nold Mac line\rend\n")
     assert sample.read_prompt(f"@{tmp_path / 'prompt.txt'}") == "Dear Sir,\r\n\r\nold Mac line\rend\n"
