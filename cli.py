@@ -132,6 +132,10 @@ class Parser(argparse.ArgumentParser):
     def fail(self, message):
         self.exit(1, f"{self.prog}: error: {message}\n")
 
+    def exit(self, status=0, message=None):
+        # Under torchrun every rank parses the same flags: their one error line comes from rank 0 alone.
+        super().exit(status, message if int(os.environ.get("RANK", 0)) == 0 else None)
+
     def config_defaults(self, path, not_keys=()):
         """The values of the config file at path, checked against this parser's flags (its keys are
         their long names without dashes; not_keys are refused), as a dict for set_defaults: flags

@@ -51,6 +51,10 @@ class OptimizerConfig:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.name!r}")
         check_positive(self, "max_lr")
         check_not_negative(self, "weight_decay", "grad_clip")
+        for name in ("max_lr", "weight_decay", "muon_lr", "muon_weight_decay"):  # stepped as float32 scalars
+            if abs(getattr(self, name)) > torch.finfo(torch.float32).max:
+                raise ValueError(f"--{name} {getattr(self, name)} is past float32's range, in which the optimizer "
+                                 f"steps")
         if self.name == "muon":
             check_positive(self, "muon_lr")
             check_not_negative(self, "muon_weight_decay")

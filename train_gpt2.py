@@ -13,6 +13,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, every_rank, on_every_rank
 from faults import Faults
-from loading import load_model
+from loading import check_source, load_model
 from logdir import MetricsLog
 from model import GPT
 from muon import OptimizerConfig, build_optimizer, describe, muon_lr
@@ -99,11 +100,19 @@ def setup(cfg):
     Every check that can fail runs on every rank, and stops them all alike."""
     # Processes: one per GPU under torchrun. What the device cannot hold is refused before it is allocated.
     rank, local_rank, world_size, device = distributed.init(cfg.runtime.device)
-    log = print_on_rank_0(rank)
+    log = partial(print, flush=True) if rank == 0 else lambda message: None
     if cfg.world_size_problem(world_size):
         raise RunError(cfg.world_size_problem(world_size))
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
+    resume = cfg.checkpoints.resume  # the paths given are checked before anything is downloaded
+    if resume not in ("auto", "none") and not os.path.exists(resume):
+        raise RunError(f"--resume {resume}: no such checkpoint")
+    if cfg.init_from != "scratch":
+        try:
+            check_source(cfg.init_from)
+        except CheckpointError as e:
+            raise RunError(f"--init_from: {e}") from None
     unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp)) if cfg.init_from == "scratch" else None
     agree(unfit and f"{unfit} (see --plan)")
     batch = cfg.batch
@@ -183,13 +192,6 @@ def setup(cfg):
                metrics, checkpointer, log_dir_lock)
 
 
-def print_on_rank_0(rank):
-    def log(message):
-        if rank == 0:
-            print(message, flush=True)
-    return log
-
-
 def shard_demo_corpus(data_dir, log, enabled):
     """On rank 0 (enabled), the bundled Tiny Shakespeare sharded into data_dir if it is the demo's
     own (fineweb.shard_demo_corpus), as a RunError where it cannot be."""
@@ -211,7 +213,7 @@ def train(cfg):
     cfg, trainable, log = run.cfg, run.trainable, run.log
     faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model)
     bad_steps = 0  # non-finite steps in a row
-    val_loss = None
+    val, stopped = None, False  # val: (step, loss) of the newest val loss
     with distributed.StopSignal() as stop:
         step = run.start_step
         while True:
@@ -220,6 +222,7 @@ def train(cfg):
                 run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
+                val = val if val_loss is None else (step, val_loss)
             if cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
@@ -231,6 +234,7 @@ def train(cfg):
             if result is None:
                 run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
+                stopped = True
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
@@ -246,9 +250,11 @@ def train(cfg):
     if run.log_dir_lock:
         run.log_dir_lock.close()
     newest = list_checkpoints(cfg.log_dir)[-1:] if run.rank == 0 else []
-    log(f"done: step {step} of {cfg.schedule.max_steps}, {step * cfg.batch.total_batch_size:,} tokens, "
-        f"{tqdm.format_interval(time.perf_counter() - t_start)} wall time, final val loss "
-        f"{'none' if val_loss is None else f'{val_loss:.4f}'}, last checkpoint {newest[0] if newest else 'none'}")
+    trained = (f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}"
+               if run.start_step < cfg.schedule.max_steps else f"done: evaluated step {step}, no steps trained")
+    log(f"{trained}, {step * cfg.batch.total_batch_size:,} tokens, {tqdm.format_interval(time.perf_counter() - t_start)} "
+        f"wall time, {'no val loss' if val is None else f'val loss {val[1]:.4f} at step {val[0]}'}, last checkpoint "
+        f"{newest[0] if newest else 'none'}")
     return trainable.raw_model
 
 
@@ -411,6 +417,9 @@ def evaluate(run, step):
     val_loss = None
     if run.val_loader is not None:
         val_loss = estimate_val_loss(run.trainable, run.val_loader, run.cfg.eval.val_steps)
+        if not math.isfinite(val_loss):  # never a result: the weights or the val shards are broken
+            raise RunError(f"the val loss at step {step} is {val_loss}: check the val shards "
+                           f"({', '.join(shard.path for shard in run.val_loader.shards)})")
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
         run.metrics.write(step=step, tokens=tokens, val_loss=val_loss)
     if run.hellaswag_examples:

@@ -75,6 +75,7 @@ def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once()
     (["--decay_steps", "-1"], "--decay_steps must not be negative, not -1"),
     (["--min_lr_ratio", "1.5"], "--min_lr_ratio must be in [0, 1], not 1.5"),
     (["--max_lr", "0"], "--max_lr must be positive, not 0.0"),
+    (["--max_lr", "1e300"], "--max_lr 1e+300 is past float32's range, in which the optimizer steps"),
     (["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be in [0, 1), not 1.0"),
     (["--recompute_every", "0"], "--recompute_every must be positive, not 0"),
     (["--checkpoint_interval", "-2"], "--checkpoint_interval must be -1 (never), 0 (at the end) or more, not -2"),

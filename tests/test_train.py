@@ -103,8 +103,8 @@ def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, c
     assert "skipping HellaSwag" in out
     records = read_log(tmp_path / "log")
     val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
-    summary = (r"done: step 3 of 3, 3,072 tokens, \d\d:\d\d wall time, final val loss "
-               + f"{val_loss:.4f}, last checkpoint {re.escape(str(tmp_path / 'log' / 'ckpt_000003.pt'))}")
+    summary = (r"done: step 3 of 3, 3,072 tokens, \d\d:\d\d wall time, val loss "
+               + f"{val_loss:.4f} at step 3, last checkpoint {re.escape(str(tmp_path / 'log' / 'ckpt_000003.pt'))}")
     assert re.fullmatch(summary, out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
     assert [os.path.basename(p) for p in sorted(os.listdir(data_dir)) if p.endswith(".npy")][:2] == [
         "shakespeare_train_000001.npy", "shakespeare_train_000002.npy"]
@@ -118,8 +118,7 @@ def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, c
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_demos_step_of_1024_tokens_divides_over_1_2_and_4_processes(world_size):
     demo = train_gpt2.parse_args(["--preset", "demo"])
-    train_gpt2.check_config(demo, world_size)
-    assert demo.batch.total_batch_size == 1024
+    assert demo.world_size_problem(world_size) is None and demo.batch.total_batch_size == 1024
 
 
 @pytest.mark.slow
@@ -134,14 +133,18 @@ def test_the_demo_under_torchrun_trains_as_on_one_process(tmp_path, demo_dir):
     assert_same_run(read_log(tmp_path / "single"), read_log(tmp_path / "ddp"))
 
 
-def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp_path):
+def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp_path, capsys):
     run = ["--total_batch_size", "256", "-B", "8", "--eval_interval", "4", "--val_steps", "2"]
     trained = train(shards, tmp_path / "run", *run, "--max_steps", "4")
     checkpoint_file = tmp_path / "run" / "ckpt_000004.pt"
     before = checkpoint_file.read_bytes()
     # A checkpoint, evaluated from another log_dir: the val loss its own run logged at that step.
+    capsys.readouterr()
     evaluated = train(shards, tmp_path / "eval", *run, "--max_steps", "0", "--resume", checkpoint_file)
     assert evaluated == [r for r in trained if r["step"] == 4 and "val_loss" in r]
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith(f"done: evaluated step 4, no steps trained, 1,024 tokens, ") and \
+        f"val loss {evaluated[0]['val_loss']:.4f} at step 4, last checkpoint none" in summary, summary
     assert checkpoint_file.read_bytes() == before and listdir(tmp_path / "eval") == ["log.jsonl"]
     # From scratch: the loss of the initial weights, the same as at step 0 of a training run.
     initial = train(shards, tmp_path / "init", *run, "--max_steps", "0")
@@ -326,7 +329,22 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
 
 
-@pytest.mark.xfail(reason="needs the trainer change: check_config checks --resume's path", strict=True)
+def test_a_val_loss_that_is_not_finite_stops_the_run_naming_the_val_shards(shards, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train_gpt2, "estimate_val_loss", lambda *args: float("nan"))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, "--eval_interval", "1", "--max_steps", "1")
+    assert message.startswith("error: the val loss at step 0 is nan: check the val shards (") and \
+        os.path.join(shards, "tiny_val_000000.npy") in message, message
+
+
+@pytest.mark.slow
+def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(shards, tmp_path):
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, "--max_lr", "x")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error: argument --max_lr" in line]
+    assert errors == ["train_gpt2.py: error: argument --max_lr: invalid float value: 'x' (see --help)"], \
+        result.stderr[-3000:]
+
+
 def test_a_missing_resume_path_is_the_error_before_any_download(shards, tmp_path, capsys, monkeypatch):
     import hellaswag
 
