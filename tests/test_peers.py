@@ -2,7 +2,6 @@
 each peer's checkout (the checkout itself untouched), each program's log read back, and the
 refusals. The peers' runs themselves need a GPU (docs/benchmarks.md)."""
 import glob
-import json
 import os
 import stat
 import sys
@@ -350,7 +349,7 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
     as gpu.sh's PEERS=.peers does, and make gets the GPU's compute capability and absolute paths."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    llmc = make_checkout(tmp_path / "peers" / "llm.c", {
+    make_checkout(tmp_path / "peers" / "llm.c", {
         "train_gpt2.cu": "", "Makefile": "", "cudnn-frontend/include/cudnn_frontend.h": "",
         "llmc/cuda_utils.cuh": LLMC_FALLBACK.replace("cudaMemAdvise", "cudaMemAdviseV2")
         if llmc_fault == "changed_source" else LLMC_FALLBACK})

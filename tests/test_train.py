@@ -143,7 +143,7 @@ def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp
     evaluated = train(shards, tmp_path / "eval", *run, "--max_steps", "0", "--resume", checkpoint_file)
     assert evaluated == [r for r in trained if r["step"] == 4 and "val_loss" in r]
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert summary.startswith(f"done: evaluated step 4, no steps trained, 1,024 tokens, ") and \
+    assert summary.startswith("done: evaluated step 4, no steps trained, 1,024 tokens, ") and \
         f"val loss {evaluated[0]['val_loss']:.4f} at step 4, last checkpoint none" in summary, summary
     assert checkpoint_file.read_bytes() == before and listdir(tmp_path / "eval") == ["log.jsonl"]
     # From scratch: the loss of the initial weights, the same as at step 0 of a training run.
