@@ -343,7 +343,7 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     sharded = fsdp(tmp_path / "fsdp")
     assert_same_run(single, sharded, rel=1e-4)  # bfloat16 Newton-Schulz on gradients summed in another order
     resumed = train(shards, tmp_path / "one", *flags, "-B", "4", "--resume", tmp_path / "fsdp" / "ckpt_000003")
-    assert_same_run(tail(sharded), resumed)
+    assert_same_run(tail(sharded), resumed, rel=1e-4)  # one process against two ranks, as above
     checkpoint.main([str(tmp_path / "fsdp" / "ckpt_000003"), str(tmp_path / "converted.pt")])
     converted = checkpoint.load_checkpoint(tmp_path / "converted.pt")
     buffers = [s["momentum_buffer"] for s in converted["optimizer"]["muon"]["state"].values()]
@@ -352,7 +352,8 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     from_converted = train(shards, tmp_path / "converted", *flags, "-B", "4", "--resume", tmp_path / "converted.pt")
     assert [(r["train_loss"], r["grad_norm"]) for r in train_records(from_converted)] == [
         (r["train_loss"], r["grad_norm"]) for r in train_records(resumed)]
-    assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"))
+    assert_same_run(tail(single), fsdp(tmp_path / "fsdp_resumed", "--resume", tmp_path / "single" / "ckpt_000003.pt"),
+                    rel=1e-4)
 
 
 @pytest.mark.slow
