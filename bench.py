@@ -42,7 +42,7 @@ import hellaswag
 import memory
 import peers
 from muon import OptimizerConfig
-from atomic import atomic_open
+from atomic import atomic_open, replace_file
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
@@ -477,7 +477,7 @@ def export_trace(prof, path):
         prof.export_chrome_trace(partial)
         if not os.path.isfile(partial):
             return "torch's export wrote nothing (a full disk?)"
-        os.replace(partial, path)
+        replace_file(partial, path)
         return None
     except OSError as e:
         return e.strerror or str(e)

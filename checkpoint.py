@@ -587,6 +587,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.sharded):
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
+    parser.check_output("out", args.out)
     try:
         state = load_checkpoint(args.sharded)
         model = model_of(args.sharded, state["config"])

@@ -11,7 +11,7 @@ import tomllib
 
 from tqdm import tqdm
 
-from atomic import check_writable
+from atomic import check_writable, file_kind
 from tokenizer import N_VOCAB
 
 
@@ -200,9 +200,6 @@ def brief(value):
 # breaks), refused before it fills the memory or reaches the tokenizer (whose regex fails at 1M spaces).
 MAX_LINE_CHARS = 1 << 19
 
-FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
-              stat.S_IFSOCK: "a socket"}
-
 
 class UnreadableFile(ValueError):
     """A user's file that cannot be read as asked: not a regular file, or a text line too long.
@@ -217,7 +214,7 @@ def open_regular(path, mode="r", **open_args):
     try:
         mode_bits = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode_bits):
-            raise UnreadableFile(f"{path}: {FILE_KINDS.get(stat.S_IFMT(mode_bits), 'not a regular file')}, "
+            raise UnreadableFile(f"{path}: {file_kind(mode_bits)}, "
                                 f"not a regular file")
         return open(fd, mode, **open_args)
     except BaseException:

@@ -99,7 +99,7 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
     cases = [(["--n_head", "3", "--n_embd", "64"], "--n_embd 64 is not divisible by --n_head 3"),
              (["--n_head", "3"], "--n_embd 64 is not divisible by --n_head 3"),  # the size's default n_embd
              (["--device", missing_device], f"--device: device {missing_device}"),
-             (["--json", str(tmp_path)], "cannot write there (a directory, not a file name)"),
+             (["--json", str(tmp_path)], "cannot write there (a directory, not a regular file)"),
              (["--json", str(tmp_path / "file" / "x.json")], "cannot write there"),
              (["--parts", "train,foo"], "unknown part(s) foo"),
              (["-B", "64,0"], "-B/--micro_batch_size: '0' is not a positive integer"),

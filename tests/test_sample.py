@@ -114,7 +114,7 @@ def test_stop_at_eot(padded, tmp_path, capsys):
     (["--min_new_tokens", "-1"], "error: --min_new_tokens must be 0 or more"),
     (["--max_new_tokens", "0"], "error: --max_new_tokens must be at least 1"),
     (["--prompts", "no/such/prompts.txt"], "error: --prompts no/such/prompts.txt: [Errno 2]"),
-    (["--json", "."], "error: --json .: cannot write there (a directory, not a file name)"),
+    (["--json", "."], "error: --json .: cannot write there (a directory, not a regular file)"),
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
     (["--top_k", "-5"], "error: --top_k must be 0 (no limit) or more"),
     (["--top_p", "0"], "error: --top_p must be in (0, 1]"),
