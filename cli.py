@@ -194,6 +194,36 @@ def brief(value):
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
+PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def structure_problem(value, max_depth, leaves=PLAIN_TYPES, max_values=1 << 18):
+    """Why value, decoded from a user's file (a checkpoint's plain data, a line of JSON), cannot be
+    walked, compared or printed at a bounded cost, or None: it must be dicts (of string or integer
+    keys), lists and tuples nested at most max_depth deep (a dict of numbers is 1 deep), max_values
+    values in all, their other values of the types leaves. A shared nest (x = [x, x] sixty times)
+    is a few hundred bytes to read and 2**60 values to walk: the walk stops at the first problem,
+    after max_values steps at most."""
+    seen = 0
+
+    def walk(v, depth):
+        nonlocal seen
+        seen += 1
+        if seen > max_values:
+            return f"holds more than {max_values:,} values"
+        if not isinstance(v, (dict, list, tuple)):
+            return None if isinstance(v, leaves) else f"holds {brief(v)}"
+        if depth == max_depth:
+            return f"is nested more than {max_depth} deep"
+        if isinstance(v, dict):
+            key = next((k for k in v if type(k) not in (str, int)), None)
+            if key is not None:
+                return f"has a key that is {brief(key)}, not a string or a number"
+            v = v.values()
+        return next(filter(None, (walk(item, depth + 1) for item in v)), None)
+    return walk(value, 0)
+
+
 # A line of a user's text file (for sample.py --prompt @FILE, the whole file) holds at most this
 # many characters: 4x what GPT-2's whole context can hold (1,024 tokens of at most 128 bytes),
 # hundreds of HellaSwag examples. A longer one is a mistake (a binary file, one with no line

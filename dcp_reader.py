@@ -85,7 +85,8 @@ def read_metadata(path):
     file = os.path.join(path, ".metadata")
     try:
         with open_regular(file, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
+            # Up to its size: read(n) allocates n bytes first, and 1 GiB fails under a memory limit
+            data = f.read(min(os.fstat(f.fileno()).st_size, MAX_METADATA_BYTES) + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
     except UnreadableFile as e:

@@ -277,6 +277,26 @@ def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path
     assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
 
 
+@pytest.mark.parametrize("tamper, problem", [
+    (lambda optimizer: optimizer["muon"]["param_groups"][0].update(momentum=2.0),
+     "its optimizer's momentum 2.0 is not a number in [0, 1)"),
+    (lambda optimizer: optimizer["adamw"]["param_groups"][1].update(betas=(0.9, 1.0)),
+     "its optimizer's betas 1.0 is not a number in [0, 1)"),
+    (lambda optimizer: optimizer["adamw"]["state"][0].update(step=torch.tensor(-3.0)),
+     "its optimizer state of transformer.wte.weight: step is -3, not a count of 0 or more"),
+])
+def test_optimizer_values_that_torch_would_refuse_are_one_line_before_any_step(shards, tmp_path, capsys, tamper,
+                                                                               problem):
+    """torch refuses a momentum or beta outside [0, 1) when an optimizer is built, not when its state
+    is loaded: a Muon momentum of 2.0 would train on, diverging, and a negative step count makes
+    AdamW's bias correction negative."""
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    tamper(state["optimizer"])
+    torch.save(state, tmp_path / "tampered.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
+
+
 def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards, tmp_path, capsys):
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
     state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
