@@ -2,6 +2,7 @@
 (configs/NAME.toml, the trainer's presets), bounded reads of the text files a user names, and
 the progress of long jobs."""
 import argparse
+import json
 import os
 import re
 import stat
@@ -187,11 +188,20 @@ def brief(value):
     """value, read from a user's file, as text of bounded length for a message: a short string or
     a machine-sized number as written, anything else by its type (a shared nested list can be cheap
     to read and endless to print)."""
-    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float) \
+    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float, type(None)) \
             or (type(value) is int and abs(value) < 1 << 64):
         return repr(value)
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def parse_json(text):
+    """json.loads(text), but JSON nested past Python's recursion limit is a ValueError, as any
+    other text that is not JSON, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep for Python's parser") from None
 
 
 PLAIN_TYPES = (str, int, float, bool, type(None))

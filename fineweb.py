@@ -34,7 +34,7 @@ import pyarrow
 import pyarrow.parquet as pq
 
 from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
-from cli import Parser, UnreadableFile, progress_meter, read_text
+from cli import Parser, UnreadableFile, parse_json, progress_meter, read_text
 from data import SHARD_DTYPE, SPLITS, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
@@ -282,12 +282,9 @@ def read_jsonl(path, text_field):
 
 def json_text(line, text_field, where):
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
+        record = parse_json(line)
+    except ValueError as e:
         raise InputError(f"{where}: not JSON ({e}); .jsonl/.json inputs hold one JSON object a line") from None
-    except RecursionError:  # nested thousands deep
-        raise InputError(f"{where}: JSON nested too deep for Python's parser; .jsonl/.json inputs hold one "
-                         f"JSON object a line") from None
     if not isinstance(record, dict) or text_field not in record:
         raise InputError(f"{where}: no {text_field!r} field")
     if not isinstance(record[text_field], str):
@@ -351,11 +348,11 @@ def read_manifest(output_dir):
     if not os.path.lexists(path):
         return None
     try:
-        manifest = json.loads(read_text(path, MAX_MANIFEST_CHARS))
+        manifest = parse_json(read_text(path, MAX_MANIFEST_CHARS))
         check_manifest(manifest)
     except UnreadableFile as e:
         raise unreadable_manifest(output_dir, str(e).removeprefix(f"{path}: ")) from None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+    except (OSError, ValueError) as e:
         raise unreadable_manifest(output_dir, e) from None
     return manifest
 

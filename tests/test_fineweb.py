@@ -213,7 +213,7 @@ def bad_inputs(tmp):
         "empty directory": (tmp / "emptydir", "emptydir", []),
         "missing text field": (tmp / "nofield.jsonl", "nofield.jsonl line 3", []),
         "not json": (tmp / "notjson.jsonl", "notjson.jsonl line 2", []),
-        "json nested too deep": (tmp / "deep.jsonl", "deep.jsonl line 2: JSON nested too deep", []),
+        "json nested too deep": (tmp / "deep.jsonl", "deep.jsonl line 2: not JSON (nested too deep", []),
         "missing field after shards": (late, "late.jsonl line 7224", []),
         "shard_size 0": (SHAKESPEARE, "--shard_size", ["--shard_size", "0"]),
         "num_proc 0": (SHAKESPEARE, "--num_proc", ["--num_proc", "0"]),

@@ -104,7 +104,7 @@ def test_stop_at_eot(padded, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num_samples", "0"], "error: --num_return_sequences must be at least 1"),
+    (["--num_samples", "0"], "error: --num_return_sequences must be in [1, 1024]"),
     (["--decode", "beam"], "error: --num_beams must be 2 or more for beam search"),
     (["--num_beams", "4", "--num_return_sequences", "5"], "error: --num_return_sequences 5 is more than num_beams 4"),
     (["--decode", "greedy_search", "--num_beams", "4"], "error: --num_beams is for beam search only"),
