@@ -78,8 +78,8 @@ def torch_problem(version):
 
 def check_torch():
     """Exits with torch_problem's one line if the torch imported is older than MIN_TORCH. Every
-    script meets it first thing, through Parser (memory.py, which has no flags, calls it itself),
-    with torch imported if it uses torch at all: an old torch stops there, not in a traceback."""
+    script meets it first thing, through Parser, with torch imported if it uses torch at all: an
+    old torch stops there, not in a traceback."""
     torch = sys.modules.get("torch")
     if torch is not None and torch_problem(torch.__version__):
         sys.exit(torch_problem(torch.__version__))

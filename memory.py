@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from devices import device_memory
-from cli import check_torch, preset_names, preset_path, read_config
+from cli import Parser, preset_names, preset_path, read_config
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
 from train_config import ScaleConfig
@@ -174,6 +174,12 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    check_torch()
+def main(argv=None):
+    """python memory.py: the presets' memory table of docs/scaling.md; it takes no arguments (a
+    model's own plan is train_gpt2.py --plan's)."""
+    Parser(prog="memory.py", description=main.__doc__).parse_args(argv)
     print(presets_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -176,6 +176,14 @@ def test_sharding_and_recompute_shrink_the_plan():
     assert ddp.logits == 2 * (chunked.logits - memory.head_gradient_bytes(config))  # 8x1024 positions, against a chunk of 4096
 
 
-def test_the_docs_table_is_what_memory_py_prints():
+def test_the_docs_table_is_what_memory_py_prints(capsys):
+    memory.main([])
+    printed = capsys.readouterr().out
     with open(os.path.join(REPO, "docs", "scaling.md")) as f:
-        assert memory.presets_table() in f.read()
+        assert printed == memory.presets_table() + "\n" and printed in f.read()
+
+
+def test_memory_py_refuses_arguments_in_one_line(capsys):
+    """It takes none: a flag such as --n_layer 48 would otherwise be ignored, the table printed as if it were read."""
+    assert exit_message(capsys, memory.main, "--n_layer", "48") == \
+        "memory.py: error: unrecognized arguments: --n_layer 48 (see --help)"
