@@ -131,7 +131,7 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
                               f"or another --log_dir")
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{path}: its step is {step!r}, not a step number")
+        raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
     saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(optimizer)
     if saved_optimizer != this_optimizer:
         raise CheckpointError(f"{path} is a run of --optimizer {saved_optimizer}, this one is of --optimizer "
@@ -268,6 +268,7 @@ def number_in(value, low, high):
 
 
 def is_rate(value):
+    """Whether value can be a learning rate that others are scaled by: a positive finite number."""
     return number_in(value, 0, math.inf) and value > 0
 
 
@@ -466,7 +467,10 @@ def _load_plain(path, map_location, require=("model", "config")):
 
 def contents_problem(state):
     """Why a loaded checkpoint cannot be used or printed at a bounded cost, or None: it must be
-    tensors and plain data CHECKPOINT_DEPTH deep at most, its records dicts of plain values."""
+    tensors and plain data CHECKPOINT_DEPTH deep at most, its model a dict, its records dicts of
+    plain values."""
+    if not isinstance(state.get("model", {}), dict):
+        return f"its model is {brief(state['model'])}, not a state dict"
     for field, depth in RECORD_DEPTHS.items():
         if field in state and not isinstance(state[field], dict):
             return f"its {field} is {brief(state[field])}, not a dict of values"
