@@ -109,7 +109,7 @@ def test_stop_at_eot(padded, tmp_path, capsys):
     (["--num_beams", "4", "--num_return_sequences", "5"], "error: --num_return_sequences 5 is more than num_beams 4"),
     (["--decode", "greedy_search", "--num_beams", "4"], "error: --num_beams is for beam search only"),
     (["--decode", "greedy", "--num_samples", "2"], "error: --num_return_sequences must be 1 in greedy search"),
-    (["--repetition_penalty", "0"], "error: --repetition_penalty must be more than 0"),
+    (["--repetition_penalty", "0"], "error: --repetition_penalty must be in [0.001, 1000]"),
     (["--no_repeat_ngram_size", "-2"], "error: --no_repeat_ngram_size must be 0 (off) or more"),
     (["--min_new_tokens", "-1"], "error: --min_new_tokens must be 0 or more"),
     (["--max_new_tokens", "0"], "error: --max_new_tokens must be at least 1"),
@@ -129,9 +129,13 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--length_penalty", "nan"], "--length_penalty must be a finite number"),
-    (["--length_penalty", "inf"], "--length_penalty must be a finite number"),
-    (["--num_beams", "2", "--length_penalty=-inf"], "--length_penalty must be a finite number"),
+    (["--length_penalty", "nan"], "--length_penalty must be in [-10, 10]"),
+    (["--length_penalty", "inf"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "2", "--length_penalty=-inf"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "4", "--length_penalty", "1e308"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "1000000000000"], "--num_beams must be at most 1024"),
+    (["--num_return_sequences", "1000000000000"], "--num_return_sequences must be in [1, 1024]"),
+    (["--repetition_penalty", "1e-308"], "--repetition_penalty must be in [0.001, 1000]"),
     (["--min_new_tokens", "201"], "--min_new_tokens 201 is more than max_new_tokens 200"),
     (["--min_new_tokens", "5", "--max_new_tokens", "4"], "--min_new_tokens 5 is more than max_new_tokens 4"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
