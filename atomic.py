@@ -1,4 +1,5 @@
-"""Files that are never half-written: shards, manifests, checkpoints, logs rewritten on resume."""
+"""Files that are never half-written: shards, manifests, checkpoints, logs rewritten on resume,
+the scripts' --json results. Only regular files are ever replaced."""
 import errno
 import fcntl
 import os
@@ -6,21 +7,52 @@ import stat
 from contextlib import contextmanager, suppress
 
 
+FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+              stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+def file_kind(mode):
+    """What a file of st_mode mode is, for messages: "a directory", "a device"..."""
+    return FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
 @contextmanager
 def atomic_open(path, mode="wb"):
     """Opens a temporary file beside path for writing; on success flushes it to disk and renames
-    it to path, on any error removes it. A crash at any moment leaves the old file or the new
-    one, never a truncated file under the final name."""
+    it to path (replace_file), on any error removes it. A crash at any moment leaves the old file
+    or the new one, never a truncated file under the final name. An existing path that is not a
+    regular file is an OSError, before anything is written, and is left as it is."""
+    check_replaceable(path)
     tmp = temporary_path(path)
     try:
-        with open(tmp, mode) as f:
+        # O_NOFOLLOW: a link planted under the temporary name is not written through
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
+
+
+def replace_file(tmp, path):
+    """Renames the file tmp to path, unless path exists and is not a regular file: a rename would
+    replace a device (--json /dev/null, which as root breaks the machine's /dev/null), a FIFO, a
+    directory or a symbolic link with a file. Those are refused (check_replaceable), not written to."""
+    check_replaceable(path)
+    os.replace(tmp, path)
+
+
+def check_replaceable(path):
+    """Raises OSError, naming what path is, if it exists and is not a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST
+        raise OSError(code, f"{file_kind(mode)}, not a regular file", path)
 
 
 def temporary_path(path):
@@ -31,8 +63,7 @@ def temporary_path(path):
 def check_writable(path):
     """Raises OSError unless atomic_open can write path (making its directory if missing), so a
     script can check where its results go before hours of work rather than after."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "a directory, not a file name", path)
+    check_replaceable(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     open(temporary_path(path), "w").close()
     os.remove(temporary_path(path))
@@ -98,7 +129,7 @@ def open_lock_file(directory):
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise not_a_lock(directory, "a FIFO" if stat.S_ISFIFO(mode) else "a device")
+        raise not_a_lock(directory, file_kind(mode))
     return os.fdopen(fd, "r+")
 
 

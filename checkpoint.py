@@ -34,15 +34,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
-from cli import Parser, brief, first_line
+from cli import PLAIN_TYPES, Parser, brief, first_line, structure_problem
 from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
-from muon import OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
+from muon import OPTIMIZERS, OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
 TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and the optimizer's tensors
+# How deep a checkpoint's plain data nests: optimizer, a MuonAdamW's part, param_groups, a group, its betas.
+CHECKPOINT_DEPTH = 6
+# The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
+# flags, whose --fault is a list of dicts.
+RECORD_DEPTHS = {"config": 1, "args": 3}
 
 
 def checkpoint_path(log_dir, step, sharded=False):
@@ -118,18 +123,16 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     config = asdict(raw_model.config)
-    if not isinstance(state["config"], dict):
-        raise CheckpointError(f"{path}: its config is {type(state['config']).__name__}, not a GPTConfig's fields")
     saved = model_fields(path, state["config"])
     if saved != config:
-        diff = ", ".join(f"{k} {v} (this run: {config.get(k)})" for k, v in saved.items() if config.get(k) != v)
+        diff = ", ".join(f"{k} {brief(v)} (this run: {config[k]})" for k, v in saved.items() if config[k] != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
                               f"flags, or start over: --resume none (which moves the earlier run's files aside), "
                               f"or another --log_dir")
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{path}: its step is {step!r}, not a step number")
-    saved_optimizer, this_optimizer = saved_optimizer_name(state), optimizer_name(optimizer)
+        raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
+    saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(optimizer)
     if saved_optimizer != this_optimizer:
         raise CheckpointError(f"{path} is a run of --optimizer {saved_optimizer}, this one is of --optimizer "
                               f"{this_optimizer}: resume it with --optimizer {saved_optimizer}, or start over "
@@ -158,10 +161,18 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     return step
 
 
-def saved_optimizer_name(state):
+def saved_optimizer_name(path, state):
     """The --optimizer a training checkpoint was saved under; adamw for one from before the flag."""
-    args = state.get("args")
-    return args.get("optimizer", "adamw") if isinstance(args, dict) else "adamw"
+    return recorded_flag(path, state, "optimizer", "adamw", lambda name: name in OPTIMIZERS)
+
+
+def recorded_flag(path, state, name, default, valid):
+    """The value of flag name that the checkpoint at path records of its run (default where it
+    records none), or a CheckpointError if valid(value) is false."""
+    value = state.get("args", {}).get(name, default)
+    if not valid(value):
+        raise CheckpointError(f"{path}: its recorded --{name} is {brief(value)}, which that flag cannot be")
+    return value
 
 
 @contextmanager
@@ -213,9 +224,10 @@ def changed_hyperparameters(saved_flags, flags):
 
 def optimizer_state_problem(raw_model, optimizer):
     """Why the state that optimizer has loaded cannot step raw_model's parameters, or None: each
-    tensor of a parameter's state (AdamW's moments, Muon's momentum) must be finite and of the
-    parameter's shape, and its step count one finite number. torch loads a tampered one as it is
-    (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN."""
+    tensor of a parameter's state (AdamW's moments, Muon's momentum) finite and of the parameter's
+    shape, and its step count one finite number, 0 or more. torch loads a tampered one as it is
+    (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN.
+    The param groups' settings are this run's own (with_run_settings), checked as its flags are."""
     names = {id(p): name for name, p in plain_state_dict(dict(raw_model.named_parameters())).items()}
     for part in torch_optimizers(optimizer):
         for param in (p for group in part.param_groups for p in group["params"]):
@@ -228,17 +240,30 @@ def optimizer_state_problem(raw_model, optimizer):
 
 def state_value_problem(key, value, param):
     """Why value, of key in param's optimizer state, cannot be stepped, or None."""
+    if key == "step" and type(value) in (int, float):
+        return None if number_in(value, 0, math.inf) else f"is {brief(value)}, not a count of 0 or more"
     if not isinstance(value, torch.Tensor):
-        if key == "step" and type(value) in (int, float) and math.isfinite(value):
-            return None
         return f"is a {type(value).__name__}, not a tensor"
     if key == "step" and value.numel() != 1:
         return f"has shape {tuple(value.shape)}, not one number"
     if key != "step" and value.shape != param.shape:
         return f"has shape {tuple(value.shape)}, not its parameter's {tuple(param.shape)}"
-    if not (value.to_local() if isinstance(value, DTensor) else value).isfinite().all():
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if not local.isfinite().all():
         return "holds NaN or infinite values"
+    if key == "step" and local.item() < 0:
+        return f"is {local.item():g}, not a count of 0 or more"
     return None
+
+
+def number_in(value, low, high):
+    """Whether value is an int or a float (not a bool) in [low, high)."""
+    return type(value) in (int, float) and low <= value < high
+
+
+def is_rate(value):
+    """Whether value can be a learning rate that others are scaled by: a positive finite number."""
+    return number_in(value, 0, math.inf) and value > 0
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -426,9 +451,28 @@ def _load_plain(path, map_location, require=("model", "config")):
         raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {detail})") from None
     if not isinstance(state, dict) or any(key not in state for key in require):
         raise CheckpointError(f"{path}: not a checkpoint of this project (no {' or '.join(require)})")
+    problem = contents_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: not a checkpoint of this project ({problem})")
     if "model" in state:
         state["model"] = plain_state_dict(state["model"])
     return state
+
+
+def contents_problem(state):
+    """Why a loaded checkpoint cannot be used or printed at a bounded cost, or None: it must be
+    tensors and plain data CHECKPOINT_DEPTH deep at most, its model a dict, its records dicts of
+    plain values."""
+    if not isinstance(state.get("model", {}), dict):
+        return f"its model is {brief(state['model'])}, not a state dict"
+    for field, depth in RECORD_DEPTHS.items():
+        if field in state and not isinstance(state[field], dict):
+            return f"its {field} is {brief(state[field])}, not a dict of values"
+        problem = structure_problem(state.get(field, {}), depth)
+        if problem:
+            return f"its {field} {problem}"
+    problem = structure_problem(state, CHECKPOINT_DEPTH, leaves=(torch.Tensor, *PLAIN_TYPES))
+    return f"it {problem}" if problem else None
 
 
 def latest_checkpoint(log_dir, map_location="cpu", before=None):
@@ -482,14 +526,17 @@ def model_of(path, config, **options):
 
 
 def model_fields(path, config):
-    """A checkpoint's config as GPTConfig's fields: a recorded "dropout" of 0 (older checkpoints
-    hold one) is dropped; any other dropout, which this GPT cannot apply, is a CheckpointError."""
-    if not isinstance(config, dict) or "dropout" not in config:
-        return config
+    """A checkpoint's config (a dict of plain values: contents_problem) as GPTConfig's fields: a
+    recorded "dropout" of 0 (older checkpoints hold one) is dropped; any other dropout, which this
+    GPT cannot apply, or a field GPTConfig lacks, is a CheckpointError."""
     fields = {k: v for k, v in config.items() if k != "dropout"}
-    if config["dropout"] != 0:
-        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has dropout {config['dropout']!r}, "
+    if config.get("dropout", 0) != 0:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has dropout {brief(config['dropout'])}, "
                               f"and this GPT has no dropout)")
+    unknown = next((k for k in fields if k not in GPTConfig.__dataclass_fields__), None)
+    if unknown is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
+                              f"which GPTConfig lacks)")
     return fields
 
 
@@ -609,13 +656,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.sharded):
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
+    parser.check_output("out", args.out)
     try:
         state = load_checkpoint(args.sharded)
         model = model_of(args.sharded, state["config"])
         # The groups' values come from the checkpoint, but for Muon's lr_scale: the run's own.
-        run = state["args"] if isinstance(state.get("args"), dict) else {}
-        optimizer = build_optimizer(model, OptimizerConfig(saved_optimizer_name(state), run.get("max_lr", 1.0), 0.0,
-                                                           fused_adamw=False, muon_lr=run.get("muon_lr", 1.0)), "cpu")
+        lr, muon_lr = (recorded_flag(args.sharded, state, name, 1.0, is_rate) for name in ("max_lr", "muon_lr"))
+        optimizer = build_optimizer(model, OptimizerConfig(saved_optimizer_name(args.sharded, state), lr, 0.0,
+                                                           fused_adamw=False, muon_lr=muon_lr), "cpu")
         with restoring(args.sharded, "model and optimizer"):
             load_sharded(args.sharded, model, optimizer)
         problem = optimizer_state_problem(model, optimizer)

@@ -2,6 +2,7 @@
 (configs/NAME.toml, the trainer's presets), bounded reads of the text files a user names, and
 the progress of long jobs."""
 import argparse
+import json
 import os
 import re
 import stat
@@ -12,7 +13,7 @@ from dataclasses import field
 
 from tqdm import tqdm
 
-from atomic import check_writable
+from atomic import check_writable, file_kind
 from tokenizer import N_VOCAB
 
 
@@ -98,8 +99,8 @@ def torch_problem(version):
 
 def check_torch():
     """Exits with torch_problem's one line if the torch imported is older than MIN_TORCH. Every
-    script meets it first thing, through Parser (memory.py, which has no flags, calls it itself),
-    with torch imported if it uses torch at all: an old torch stops there, not in a traceback."""
+    script meets it first thing, through Parser, with torch imported if it uses torch at all: an
+    old torch stops there, not in a traceback."""
     torch = sys.modules.get("torch")
     if torch is not None and torch_problem(torch.__version__):
         sys.exit(torch_problem(torch.__version__))
@@ -212,11 +213,50 @@ def brief(value):
     """value, read from a user's file, as text of bounded length for a message: a short string or
     a machine-sized number as written, anything else by its type (a shared nested list can be cheap
     to read and endless to print)."""
-    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float) \
+    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float, type(None)) \
             or (type(value) is int and abs(value) < 1 << 64):
         return repr(value)
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def parse_json(text):
+    """json.loads(text), but JSON nested past Python's recursion limit is a ValueError, as any
+    other text that is not JSON, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep for Python's parser") from None
+
+
+PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def structure_problem(value, max_depth, leaves=PLAIN_TYPES, max_values=1 << 18):
+    """Why value, decoded from a user's file (a checkpoint's plain data, a line of JSON), cannot be
+    walked, compared or printed at a bounded cost, or None: it must be dicts (of string or integer
+    keys), lists and tuples nested at most max_depth deep (a dict of numbers is 1 deep), max_values
+    values in all, their other values of the types leaves. A shared nest (x = [x, x] sixty times)
+    is a few hundred bytes to read and 2**60 values to walk: the walk stops at the first problem,
+    after max_values steps at most."""
+    seen = 0
+
+    def walk(v, depth):
+        nonlocal seen
+        seen += 1
+        if seen > max_values:
+            return f"holds more than {max_values:,} values"
+        if not isinstance(v, (dict, list, tuple)):
+            return None if isinstance(v, leaves) else f"holds {brief(v)}"
+        if depth == max_depth:
+            return f"is nested more than {max_depth} deep"
+        if isinstance(v, dict):
+            key = next((k for k in v if type(k) not in (str, int)), None)
+            if key is not None:
+                return f"has a key that is {brief(key)}, not a string or a number"
+            v = v.values()
+        return next(filter(None, (walk(item, depth + 1) for item in v)), None)
+    return walk(value, 0)
 
 
 # A line of a user's text file (for sample.py --prompt @FILE, the whole file) holds at most this
@@ -224,9 +264,6 @@ def brief(value):
 # hundreds of HellaSwag examples. A longer one is a mistake (a binary file, one with no line
 # breaks), refused before it fills the memory or reaches the tokenizer (whose regex fails at 1M spaces).
 MAX_LINE_CHARS = 1 << 19
-
-FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
-              stat.S_IFSOCK: "a socket"}
 
 
 class UnreadableFile(ValueError):
@@ -242,7 +279,7 @@ def open_regular(path, mode="r", **open_args):
     try:
         mode_bits = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode_bits):
-            raise UnreadableFile(f"{path}: {FILE_KINDS.get(stat.S_IFMT(mode_bits), 'not a regular file')}, "
+            raise UnreadableFile(f"{path}: {file_kind(mode_bits)}, "
                                 f"not a regular file")
         return open(fd, mode, **open_args)
     except BaseException:

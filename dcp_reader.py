@@ -88,7 +88,8 @@ def read_metadata(path):
         raise CheckpointError(f"{file}: a symbolic link, not a regular file: no .metadata that train_gpt2.py writes")
     try:
         with open_regular(file, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
+            # Up to its size: read(n) allocates n bytes first, and 1 GiB fails under a memory limit
+            data = f.read(min(os.fstat(f.fileno()).st_size, MAX_METADATA_BYTES) + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
     except UnreadableFile as e:

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import ctypes
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -33,7 +34,7 @@ import pyarrow
 import pyarrow.parquet as pq
 
 from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
-from cli import Parser, UnreadableFile, preset_path, progress_meter, read_config, read_text
+from cli import Parser, UnreadableFile, parse_json, preset_path, progress_meter, read_config, read_text
 from data import SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
@@ -229,6 +230,16 @@ def check_readable(path, text_field):
         raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
+def file_sha256(path):
+    """The SHA-256 of path's bytes: what tells an input apart from itself edited (an edit may keep
+    its size), so that a rerun resumes only from the bytes its shards were cut from."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
 def open_parquet(path, text_field):
     try:
         parquet = pq.ParquetFile(path)
@@ -271,8 +282,8 @@ def read_jsonl(path, text_field):
 
 def json_text(line, text_field, where):
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
+        record = parse_json(line)
+    except ValueError as e:
         raise InputError(f"{where}: not JSON ({e}); .jsonl/.json inputs hold one JSON object a line") from None
     if not isinstance(record, dict) or text_field not in record:
         raise InputError(f"{where}: no {text_field!r} field")
@@ -337,11 +348,11 @@ def read_manifest(output_dir):
     if not os.path.lexists(path):
         return None
     try:
-        manifest = json.loads(read_text(path, MAX_MANIFEST_CHARS))
+        manifest = parse_json(read_text(path, MAX_MANIFEST_CHARS))
         check_manifest(manifest)
     except UnreadableFile as e:
         raise unreadable_manifest(output_dir, str(e).removeprefix(f"{path}: ")) from None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+    except (OSError, ValueError) as e:
         raise unreadable_manifest(output_dir, e) from None
     return manifest
 
@@ -422,8 +433,12 @@ def start_or_resume(output_dir, prefix, run):
                          f"this tool or from an older run; delete them or choose another --output_dir")
     if manifest is None:
         return {"run": run} | FRESH
-    if manifest["run"] != run:
+    if manifest["run"] != as_recorded(run, manifest["run"]):
         old = manifest["run"]
+        changed = changed_input(old, run)
+        if changed:
+            raise InputError(f"{changed}: changed since the shards in {output_dir} were cut from it (another SHA-256): "
+                             f"they would mix two corpora; restore it, or delete {output_dir} and rerun")
         key = next(k for k in sorted(set(run) | set(old)) if run.get(k) != old.get(k))
         there, now = (repr(value)[:200] for value in (old.get(key), run.get(key)))
         raise InputError(f"{output_dir} holds shards of another run ({key}: {there} there, {now} now); "
@@ -450,6 +465,27 @@ def start_or_resume(output_dir, prefix, run):
     except ValueError as e:  # ShardError too
         raise unreadable_manifest(output_dir, e) from None
     return manifest
+
+
+def as_recorded(run, recorded):
+    """run as the run recorded in a manifest names it: a manifest of a fineweb.py from before the
+    inputs' SHA-256 names them by path and size alone, and is resumed as then."""
+    inputs = recorded.get("inputs")
+    if "inputs" not in run or not (isinstance(inputs, list) and inputs) \
+            or any(not isinstance(entry, dict) or "sha256" in entry for entry in inputs):
+        return run
+    return run | {"inputs": [{k: v for k, v in entry.items() if k != "sha256"} for entry in run["inputs"]]}
+
+
+def changed_input(recorded, run):
+    """The path of an input that the recorded run (a manifest's) names by the path and size that
+    run does, but by another SHA-256: a file edited in place. None if there is none."""
+    inputs = recorded.get("inputs")
+    for then, now in zip(inputs if isinstance(inputs, list) else [], run.get("inputs", [])):
+        same_file = isinstance(then, dict) and then.get("path") == now["path"] and then.get("bytes") == now["bytes"]
+        if same_file and then.get("sha256", now["sha256"]) != now["sha256"]:
+            return now["path"]
+    return None
 
 
 def check_written(manifest, shard_size, paths):
@@ -594,8 +630,8 @@ def shard_local_files(paths, job, text_field="text"):
     files = expand_inputs([os.fspath(path) for path in paths])
     for path in files:
         check_readable(path, text_field)
-    identity = {"inputs": [{"path": os.path.abspath(path), "bytes": os.path.getsize(path)} for path in files],
-                "text_field": text_field}
+    identity = {"inputs": [{"path": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+                           for path in files], "text_field": text_field}
     corpus = Corpus(identity, ", ".join(files), lambda skip: local_documents(files, text_field, skip))
     return shard_corpus(corpus, job)
 

@@ -21,6 +21,12 @@ import torch
 from torch.nn import functional as F
 
 DECODES = ("sampling", "greedy", "beam")
+# Bounds past which an option fails in a traceback rather than generate: a prompt's rows (samples
+# or beams) each hold a vocabulary's logits every step; a logit divided by a repetition_penalty
+# below 0.001 overflows to inf (NaN probabilities); new_length ** length_penalty overflows a float.
+MAX_ROWS = 1024
+REPETITION_PENALTY = (1e-3, 1e3)
+MAX_LENGTH_PENALTY = 10
 
 
 @dataclass
@@ -52,10 +58,13 @@ class GenerationConfig:
             (self.temperature >= 0, "temperature must be 0 (greedy) or more"),
             (self.top_k is None or self.top_k >= 1, "top_k must be at least 1"),
             (self.top_p is None or 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be more than 0"),
+            (REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1],
+             f"repetition_penalty must be in [{REPETITION_PENALTY[0]:g}, {REPETITION_PENALTY[1]:g}]"),
             (self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size must be 0 (off) or more"),
-            (math.isfinite(self.length_penalty), "length_penalty must be a finite number"),  # NaN ranks nothing
-            (self.num_return_sequences >= 1, "num_return_sequences must be at least 1"),
+            (abs(self.length_penalty) <= MAX_LENGTH_PENALTY,  # NaN ranks nothing
+             f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
+            (1 <= self.num_return_sequences <= MAX_ROWS, f"num_return_sequences must be in [1, {MAX_ROWS}]"),
+            (self.num_beams <= MAX_ROWS, f"num_beams must be at most {MAX_ROWS}"),
             (self.num_beams >= 2 if beam else self.num_beams == 1,
              "num_beams must be 2 or more for beam search" if beam else "num_beams is for beam search only"),
             (not beam or self.num_return_sequences <= self.num_beams,

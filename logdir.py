@@ -9,7 +9,7 @@ import time
 
 import checkpoint
 from atomic import CannotClaim, atomic_open, claim_directory
-from cli import first_line
+from cli import first_line, parse_json
 from distributed import RunError
 
 RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
@@ -95,8 +95,8 @@ class MetricsLog:
         with open(self.path, "rb") as f:
             for line in f:
                 try:
-                    record = json.loads(line)
-                except ValueError:  # the last line of a run killed mid-write, bytes that are not UTF-8
+                    record = parse_json(line)
+                except ValueError:  # the last line of a run killed mid-write, bytes that are not UTF-8, nested too deep
                     record = None
                 if not (isinstance(record, dict) and type(record.get("step")) is int):
                     skipped += 1

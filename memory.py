@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from devices import auto_device_type, device_memory, pick_dtype
-from cli import check_torch, preset_names, preset_path, read_config
+from cli import Parser, preset_names, preset_path, read_config
 from fused_loss import CHUNK as FUSED_CHUNK
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
@@ -207,6 +207,12 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    check_torch()
+def main(argv=None):
+    """python memory.py: the presets' memory table of docs/scaling.md; it takes no arguments (a
+    model's own plan is train_gpt2.py --plan's)."""
+    Parser(prog="memory.py", description=main.__doc__).parse_args(argv)
     print(presets_table())
+
+
+if __name__ == "__main__":
+    main()

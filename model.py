@@ -13,7 +13,7 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import generate
-from cli import setting
+from cli import brief, setting
 from fused_loss import fused_cross_entropy
 from tokenizer import N_VOCAB
 
@@ -32,7 +32,7 @@ class GPTConfig:
     def __post_init__(self):  # a config read from a file fails here, in one line, not deep in a layer
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a positive integer, not {brief(getattr(self, name))}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head {self.n_head} does not divide n_embd {self.n_embd}")
 

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
 
 from atomic import atomic_open
-from cli import Parser, first_line
+from cli import Parser, brief, first_line, parse_json
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).
@@ -45,8 +45,8 @@ def read_log(path):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = parse_json(line)
+        except ValueError:  # not JSON, or nested too deep
             record = None
         if not isinstance(record, dict) or "step" not in record or "tokens" not in record:
             what = "truncated last line (a crash mid-write?)" if n == len(lines) else "damaged line"
@@ -54,7 +54,7 @@ def read_log(path):
             continue
         bad = next((k for k in ("step", "tokens", *SERIES.values()) if k in record and not is_number(record[k])), None)
         if bad:
-            print(f"warning: {path}:{n}: skipping a record whose {bad} is {json.dumps(record[bad])}, not a finite number",
+            print(f"warning: {path}:{n}: skipping a record whose {bad} is {as_json(record[bad])}, not a finite number",
                   file=sys.stderr)
             continue
         records.append(record)
@@ -71,6 +71,11 @@ def series(records, key):
     by_step = {r["step"]: (r["tokens"], r[key]) for r in records if key in r}
     steps = sorted(by_step)
     return steps, [by_step[s][0] for s in steps], [by_step[s][1] for s in steps]
+
+
+def as_json(value):
+    """A value of log.jsonl as JSON writes it (null, NaN, "30") where brief shows it whole; else brief's text."""
+    return json.dumps(value) if brief(value) == repr(value) else brief(value)
 
 
 def load_run(path):

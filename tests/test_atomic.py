@@ -1,4 +1,5 @@
-"""atomic.py: atomic_open syncs before it renames, check_writable leaves nothing behind, and
+"""atomic.py: atomic_open syncs before it renames and replaces only a regular file (never a device,
+a FIFO, a directory or a link, whatever script writes it), check_writable leaves nothing behind, and
 claim_directory keeps one writer per directory, as the scripts use it. Faults that must be one
 line: a second trainer on a log_dir or a second fineweb.py on an output_dir is refused, naming
 the first; the kernel frees the lock however the first ends. A .lock that is not a regular file
@@ -8,6 +9,7 @@ and a second Ctrl-C stop in one line."""
 import builtins
 import errno
 import os
+import stat
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ import fineweb
 import train_gpt2
 import atomic
 from atomic import LOCK_NAME, claim_directory
-from helpers import (DOCS, REPO, TINY, error_of, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
+from helpers import (DOCS, REPO, TINY, error_of, exit_message, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
                       write_docs_jsonl)
 from data import Shard, ShardError, write_shard
 
@@ -207,3 +209,70 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path / "new") == []
     with pytest.raises(IsADirectoryError):
         atomic.check_writable(str(tmp_path / "new"))
+
+
+def not_a_regular_file(tmp_path, kind):
+    """tmp_path/out.json made a file of kind that a rename onto it would replace: a character
+    device (a twin of /dev/null: mknod needs root, which CI has), a FIFO, a directory, or a
+    symbolic link to a regular file."""
+    path = tmp_path / "out.json"
+    if kind == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device needs root")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        (tmp_path / "target").write_text("kept")
+        path.symlink_to(tmp_path / "target")
+    return str(path)
+
+
+def file_type(path):
+    return stat.S_IFMT(os.lstat(path).st_mode)
+
+
+KINDS = ["device", "FIFO", "directory", "symbolic link"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_atomic_open_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
+    path = not_a_regular_file(tmp_path, kind)
+    before = file_type(path)
+    files = sorted(os.listdir(tmp_path))
+    with pytest.raises(OSError, match=f"a {kind}, not a regular file"):
+        with atomic.atomic_open(path) as f:
+            f.write(b"results")
+    with pytest.raises(OSError, match=f"a {kind}, not a regular file"):
+        atomic.check_writable(path)
+    assert file_type(path) == before and sorted(os.listdir(tmp_path)) == files
+    if kind == "symbolic link":
+        assert (tmp_path / "target").read_text() == "kept"
+
+
+@pytest.mark.slow
+def test_no_script_replaces_a_device_named_as_its_output(tmp_path, capsys):
+    """--json /dev/null, as a user might write to discard the results, is refused before any work:
+    replaced by a file, /dev/null would be broken for the whole machine."""
+    import checkpoint
+    import hellaswag
+    import sample
+    device = not_a_regular_file(tmp_path, "device")
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / checkpoint.TRAIN_STATE).write_bytes(b"")
+    scripts = {"sample.py": (sample.main, ["--prompt", "x", "--json", device]),
+               "hellaswag.py": (hellaswag.main, ["--json", device]),
+               "checkpoint.py": (checkpoint.main, [tmp_path / "sharded", device])}
+    for script, (main, argv) in scripts.items():
+        flag = "out" if script == "checkpoint.py" else "--json"
+        assert exit_message(capsys, main, *argv) == \
+            f"{script}: error: {flag} {device}: cannot write there (a device, not a regular file)"
+        assert file_type(device) == stat.S_IFCHR
+    result = subprocess.run([sys.executable, "bench.py", "--parts", "tokenize", "--quick", "--json", device],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"bench.py: error: --json {device}: cannot write there (a device, not a regular file)"]
+    assert file_type(device) == stat.S_IFCHR

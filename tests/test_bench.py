@@ -102,7 +102,7 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
     cases = [(["--n_head", "3", "--n_embd", "64"], "--n_embd 64 is not divisible by --n_head 3"),
              (["--n_head", "3"], "--n_embd 64 is not divisible by --n_head 3"),  # the size's default n_embd
              (["--device", missing_device], f"--device: device {missing_device}"),
-             (["--json", str(tmp_path)], "cannot write there (a directory, not a file name)"),
+             (["--json", str(tmp_path)], "cannot write there (a directory, not a regular file)"),
              (["--json", str(tmp_path / "file" / "x.json")], "cannot write there"),
              (["--parts", "train,foo"], "unknown part(s) foo"),
              (["-B", "64,0"], "-B/--micro_batch_size: '0' is not a positive integer"),
@@ -158,7 +158,7 @@ def test_levers_named_are_timed_in_the_tables_order():
         ("project", "+recompute_full")]
     on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
     assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
-                                                   "+chunked_loss", "+recompute_full", "+recompute_attn",
+                                                   "+chunked_loss", "+fused_loss", "+recompute_full", "+recompute_attn",
                                                    "+recompute_core_attn", "+cudnn_attention", "+max_autotune",
                                                    "+cuda_graphs", "+coordinate_descent"]
 

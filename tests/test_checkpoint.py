@@ -15,7 +15,7 @@ import loading
 import export_hf
 import hellaswag
 import sample
-from helpers import (EXAMPLES, REPO, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
+from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
                       one_line_error, read_metadata, run_bounded, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -272,6 +272,48 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
     message = one_line_error(run_bounded("checkpoint.py", ckpt, tmp_path / "out.pt"))
     assert message == (f"checkpoint.py: error: {ckpt}: refused: its .metadata names a list as a storage file, "
                        f"not a file directly in the directory")
+
+
+def with_nest(ckpt, field, out):
+    """ckpt's contents (either kind) with nested_list(60) as a value of field ("config" or "args"),
+    written as the same kind at out; returns out."""
+    state = checkpoint.load_checkpoint(str(ckpt))
+    state[field] = {**state[field], "n_layer": nested_list(60)}
+    if os.path.isdir(ckpt):
+        shutil.copytree(ckpt, out)
+        torch.save(state, os.path.join(out, checkpoint.TRAIN_STATE))
+    else:
+        torch.save(state, out)
+    return str(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field, depth, kinds", [("config", 1, ("one-file", "sharded")), ("args", 3, ("sharded",))])
+def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_resume(copy, shards, tmp_path, field,
+                                                                                  depth, kinds):
+    """A value of the model config or the recorded flags that pickles in a few hundred bytes and
+    prints as 2**60 elements: each reader, --init_from and --resume refuse it in one line at once
+    (run_bounded: 60 s and 2 GiB at most), one-file and sharded (both read through the same check)."""
+    examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
+    for kind in kinds:
+        source = copy / "ckpt_000004"
+        if kind == "one-file":
+            checkpoint.main([str(source), str(tmp_path / "one_file.pt")])
+            source = tmp_path / "one_file.pt"
+        ckpt = with_nest(source, field, tmp_path / f"nested_{kind}")
+        runs = [("sample.py", "--model", ckpt, "--device", "cpu", "--max_new_tokens", "1"),
+                ("hellaswag.py", "-m", ckpt, "--data", examples, "--device", "cpu"),
+                ("export_hf.py", ckpt, tmp_path / "hf"),
+                ("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "init", "--init_from", ckpt),
+                ("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *RUN, "--resume", ckpt)]
+        if kind == "sharded":
+            runs.append(("checkpoint.py", ckpt, tmp_path / "out.pt"))
+        named = os.path.join(ckpt, checkpoint.TRAIN_STATE) if kind == "sharded" else ckpt
+        for script, *args in runs:
+            message = one_line_error(run_bounded(script, *args))
+            assert message.endswith(f"{named}: not a checkpoint of this project (its {field} is nested more than "
+                                    f"{depth} deep)"), (script, message)
+    assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "out.pt")
 
 
 def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys, monkeypatch):

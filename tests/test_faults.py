@@ -465,8 +465,9 @@ def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_director
     train(shards, tmp_path, *RUN, "--max_steps", "4")
     with open(tmp_path / "log.jsonl", "ab") as f:
         f.write(b'null\n[1, 2]\n{"step": null}\n{"step": "3"}\n\xff\xfe not UTF-8\n')
+        f.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")  # nested past Python's recursion limit
     train(shards, tmp_path, *RUN)
-    assert "skipped 5 line(s) that are not records of a step" in capsys.readouterr().err
+    assert "skipped 6 line(s) that are not records of a step" in capsys.readouterr().err
     assert_each_step_logged_once(tmp_path, 8)
     (tmp_path / "other" / "log.jsonl").mkdir(parents=True)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "other", *RUN)
@@ -474,9 +475,10 @@ def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_director
 
 
 @pytest.mark.parametrize("field, value, expected", [
-    ("config", "gpt2", "its config is str, not a GPTConfig's fields"),
+    ("config", "gpt2", "not a checkpoint of this project (its config is 'gpt2', not a dict of values)"),
     ("config", dict(TINY_CONFIG, n_head=0, dropout=0.0, bias=True), "holds a model of another architecture: n_head 0"),
     ("step", "3", "its step is '3', not a step number"),
+    ("model", [1], "not a checkpoint of this project (its model is a list, not a state dict)"),
     ("optimizer", {}, "its model and optimizer cannot be restored"),
     ("train_loader", {}, "its train_loader cannot be restored"),
     ("rng", {"cpu": torch.zeros(3), "cuda": []}, "its rng cannot be restored"),

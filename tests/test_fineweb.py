@@ -207,6 +207,7 @@ def bad_inputs(tmp):
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     (tmp / "notjson.jsonl").write_text('{"text": "a"}\n{text: b}\n')
+    (tmp / "deep.jsonl").write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")  # past Python's recursion
     (tmp / "emptydir").mkdir()
     pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff\xfe"], type=pa.binary()).view(pa.string())}),
                    tmp / "latin1.parquet")
@@ -225,6 +226,7 @@ def bad_inputs(tmp):
         "empty directory": (tmp / "emptydir", "emptydir", []),
         "missing text field": (tmp / "nofield.jsonl", "nofield.jsonl line 3", []),
         "not json": (tmp / "notjson.jsonl", "notjson.jsonl line 2", []),
+        "json nested too deep": (tmp / "deep.jsonl", "deep.jsonl line 2: not JSON (nested too deep", []),
         "missing field after shards": (late, "late.jsonl line 7224", []),
         "shard_size 0": (SHAKESPEARE, "--shard_size", ["--shard_size", "0"]),
         "num_proc 0": (SHAKESPEARE, "--num_proc", ["--num_proc", "0"]),
@@ -233,7 +235,8 @@ def bad_inputs(tmp):
 
 @pytest.mark.parametrize("case", [
     "missing path", "unknown extension", "not utf-8", "not parquet", "parquet not utf-8", "no text column",
-    "empty corpus", "empty directory", "missing text field", "not json", "missing field after shards",
+    "empty corpus", "empty directory", "missing text field", "not json", "json nested too deep",
+    "missing field after shards",
     "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
     path, name, flags = bad_inputs(tmp_path)[case]
@@ -660,7 +663,7 @@ def interrupted_at_third_shard(tmp_path, monkeypatch):
 
 def rewrite_same_size(corpus, docs):
     """Replaces corpus with docs, padded with blank lines (which the reader skips) to its size:
-    another corpus that the manifest's identity, its inputs' paths and sizes, does not tell apart."""
+    another corpus that a manifest naming its inputs by path and size alone does not tell apart."""
     size = os.path.getsize(corpus)
     write_docs_jsonl(corpus, docs)
     with open(corpus, "a") as f:
@@ -668,9 +671,39 @@ def rewrite_same_size(corpus, docs):
     assert os.path.getsize(corpus) == size
 
 
+def without_hashes(manifest):
+    """manifest as a fineweb.py from before the inputs' SHA-256 wrote it: inputs named by path and size."""
+    inputs = [{k: v for k, v in entry.items() if k != "sha256"} for entry in manifest["run"]["inputs"]]
+    return manifest | {"run": manifest["run"] | {"inputs": inputs}}
+
+
+def test_an_input_edited_to_its_old_size_is_one_line_naming_it_never_resumed(tmp_path, monkeypatch, capsys):
+    corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
+    assert [entry["sha256"] for entry in manifest["run"]["inputs"]] == [fineweb.file_sha256(corpus)]
+    rewrite_same_size(corpus, DOCS[1:] + DOCS[:1])
+    before = {name: (out / name).read_bytes() for name in listdir(out)}
+    assert fineweb.main(["--input", corpus, "--output_dir", str(out), "--prefix", "tiny", "--shard_size", "7",
+                         "--num_proc", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"fineweb.py: error: {corpus}: changed since the shards in {out} were cut from it (another SHA-256): they "
+        f"would mix two corpora; restore it, or delete {out} and rerun\n")
+    assert {name: (out / name).read_bytes() for name in listdir(out)} == before
+
+
+def test_a_manifest_from_before_the_hashes_still_resumes(tmp_path, monkeypatch):
+    corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
+    (out / fineweb.MANIFEST).write_text(json.dumps(without_hashes(manifest)))
+    summary = fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
+    assert summary["status"] == "resumed"
+    check_shards(out, "tiny", 7, DOCS)
+
+
 def test_a_manifest_resuming_past_the_corpus_or_missing_a_shard_is_refused(tmp_path, monkeypatch):
+    """Of a manifest from before the inputs' SHA-256, whose rerun cannot tell an edited input apart."""
     corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
     assert manifest["shards"] == 2 and manifest["document"] == 0 and manifest["skip"] == 14  # DOCS[0] spans them
+    (out / fineweb.MANIFEST).write_text(json.dumps(without_hashes(manifest)))
     rewrite_same_size(corpus, ["short"])
     with pytest.raises(fineweb.InputError, match=r"resumes 12 tokens past the end of"):
         fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))
@@ -705,7 +738,8 @@ def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path, 
     corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 1)  # the interrupted run's chunks: its resume point is at a document
     rewrite_same_size(corpus, DOCS[:1])
-    out.joinpath(fineweb.MANIFEST).write_text(json.dumps(manifest | {"shards": 1, "document": 1, "skip": 0}))
+    out.joinpath(fineweb.MANIFEST).write_text(json.dumps(without_hashes(manifest) | {"shards": 1, "document": 1,
+                                                                                     "skip": 0}))
     os.remove(out / "tiny_train_000001.npy")
     with pytest.raises(fineweb.InputError, match=rf"resumes at document 1 past the end of {corpus}: "):
         fineweb.shard_local_files(corpus, ShardingJob(str(out), "tiny", 7))

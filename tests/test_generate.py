@@ -1,5 +1,7 @@
 """generate.py: greedy, beam search and sampling give transformers' token ids, batched (left
 padding) as alone, through the KV cache and past block_size."""
+import re
+
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
@@ -202,14 +204,19 @@ def test_a_finished_row_is_padded_not_extended(models):
     (dict(decode="greedy", num_return_sequences=2), "num_return_sequences must be 1 in greedy search"),
     (dict(decode="beam", num_beams=2, early_stopping="always"), "early_stopping must be True, False or 'never'"),
     (dict(decode="nucleus"), "decode must be one of sampling, greedy, beam"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be more than 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.001, 1000]"),
+    (dict(repetition_penalty=1e-308), "repetition_penalty must be in [0.001, 1000]"),  # NaN probabilities
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be in [0.001, 1000]"),
+    (dict(decode="beam", num_beams=4, length_penalty=1e308), "length_penalty must be in [-10, 10]"),  # overflow
+    (dict(decode="beam", num_beams=10**12), "num_beams must be at most 1024"),  # no memory holds its rows
+    (dict(num_return_sequences=10**12), "num_return_sequences must be in [1, 1024]"),
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be 0 (off) or more"),
     (dict(min_new_tokens=-1), "min_new_tokens must be 0 or more"),
     (dict(min_new_tokens=9, max_new_tokens=8), "min_new_tokens 9 is more than max_new_tokens 8"),
-    (dict(decode="beam", num_beams=2, length_penalty=float("nan")), "length_penalty must be a finite number"),
-    (dict(decode="beam", num_beams=2, length_penalty=float("-inf")), "length_penalty must be a finite number"),
+    (dict(decode="beam", num_beams=2, length_penalty=float("nan")), "length_penalty must be in [-10, 10]"),
+    (dict(decode="beam", num_beams=2, length_penalty=float("-inf")), "length_penalty must be in [-10, 10]"),
     (dict(top_k=0), "top_k must be at least 1"),
 ])
 def test_bad_options_are_named(options, message):
-    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
         GenerationConfig(**options)

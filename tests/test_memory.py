@@ -117,7 +117,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
 
 def test_plan_is_of_the_device_and_dtype_the_run_would_take(capsys):
     config, _ = memory.preset_model("demo")
-    float32 = memory.plan(config, 8, 128, dtype_bytes=4)
+    float32 = memory.plan(config, train_gpt2.parse_args(["--preset", "demo"]).batch.micro_batch_size, 128, dtype_bytes=4)
     runs = [["--device", "cpu"]] + ([[]] if devices.auto_device_type() == "cpu" else [])  # --device auto on a CPU
     for flags in runs:
         train_gpt2.main(["--preset", "demo", "--plan", *flags])
@@ -187,6 +187,14 @@ def test_the_fused_loss_plans_one_chunk_of_logits_in_the_autocast_dtype_alone():
     assert memory.logits_bytes(config, 4 * batch, 1024, False, fused_loss=True) == fused
 
 
-def test_the_docs_table_is_what_memory_py_prints():
+def test_the_docs_table_is_what_memory_py_prints(capsys):
+    memory.main([])
+    printed = capsys.readouterr().out
     with open(os.path.join(REPO, "docs", "scaling.md")) as f:
-        assert memory.presets_table() in f.read()
+        assert printed == memory.presets_table() + "\n" and printed in f.read()
+
+
+def test_memory_py_refuses_arguments_in_one_line(capsys):
+    """It takes none: a flag such as --n_layer 48 would otherwise be ignored, the table printed as if it were read."""
+    assert exit_message(capsys, memory.main, "--n_layer", "48") == \
+        "memory.py: error: unrecognized arguments: --n_layer 48 (see --help)"

@@ -278,6 +278,26 @@ def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path
     assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
 
 
+def test_a_negative_step_count_is_one_line_and_tampered_group_settings_give_way_to_the_runs(shards, tmp_path, capsys):
+    """A negative step count makes AdamW's bias correction negative: refused before any step. A
+    Muon momentum of 2.0 or a beta of 1.0 in the saved groups, which torch refuses only when an
+    optimizer is built, never steps: the groups' settings are the resumed run's own flags'."""
+    train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state["optimizer"]["adamw"]["state"][0].update(step=torch.tensor(-3.0))
+    torch.save(state, tmp_path / "negative.pt")
+    assert_refused(shards, tmp_path, capsys, tmp_path / "negative.pt",
+                   "its optimizer state of transformer.wte.weight: step is -3, not a count of 0 or more")
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state["optimizer"]["muon"]["param_groups"][0].update(momentum=2.0)
+    state["optimizer"]["adamw"]["param_groups"][1].update(betas=(0.9, 1.0))
+    torch.save(state, tmp_path / "tampered.pt")
+    train(shards, tmp_path / "resumed", *STEPS, *MUON, "--max_steps", "3", "--resume", tmp_path / "tampered.pt")
+    groups = checkpoint.load_checkpoint(tmp_path / "resumed" / "ckpt_000003.pt")["optimizer"]
+    assert groups["muon"]["param_groups"][0]["momentum"] == 0.9 and groups["adamw"]["param_groups"][1]["betas"] == \
+        (0.9, 0.95)
+
+
 def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards, tmp_path, capsys):
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
     state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")

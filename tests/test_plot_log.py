@@ -124,15 +124,20 @@ def test_a_record_whose_value_is_not_a_number_is_skipped(tmp_path, capsys):
         '{"step": 10, "tokens": 100, "val_loss": null}\n'
         '{"step": 20, "tokens": 200, "val_loss": NaN}\n'
         '{"step": "30", "tokens": 300, "train_loss": 3.0}\n'
-        '{"step": 40, "tokens": 400, "val_loss": 4.0}\n')
+        '{"step": 40, "tokens": 400, "val_loss": 4.0}\n'
+        '{"step": 50, "tokens": 500, "val_loss": "%s"}\n'
+        '%s\n'
+        '{"step": 60, "tokens": 600, "val_loss": 6.0}\n' % ("x" * 10**6, "[" * 100_000 + "]" * 100_000))
     plot_log.main([str(tmp_path / "run"), "-o", str(tmp_path / "x.png")])
     out, err = capsys.readouterr()
-    assert out.splitlines()[0].endswith("run: 40 steps, 400 tokens; best val loss 4.0000 (step 40); no HellaSwag acc_norm")
+    assert out.splitlines()[0].endswith("run: 60 steps, 600 tokens; best val loss 4.0000 (step 40); no HellaSwag acc_norm")
     log = tmp_path / "run" / "log.jsonl"
     assert err.splitlines() == [
         f"warning: {log}:2: skipping a record whose val_loss is null, not a finite number",
         f"warning: {log}:3: skipping a record whose val_loss is NaN, not a finite number",
         f'warning: {log}:4: skipping a record whose step is "30", not a finite number',
+        f"warning: {log}:6: skipping a record whose val_loss is a str, not a finite number",
+        f"warning: {log}:7: skipping a damaged line",  # JSON nested past Python's recursion limit
     ]
 
 

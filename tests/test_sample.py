@@ -122,17 +122,17 @@ def test_stop_at_eot(padded, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--num_samples", "0"], "error: --num_return_sequences must be at least 1"),
+    (["--num_samples", "0"], "error: --num_return_sequences must be in [1, 1024]"),
     (["--decode", "beam"], "error: --num_beams must be 2 or more for beam search"),
     (["--num_beams", "4", "--num_return_sequences", "5"], "error: --num_return_sequences 5 is more than num_beams 4"),
     (["--decode", "greedy_search", "--num_beams", "4"], "error: --num_beams is for beam search only"),
     (["--decode", "greedy", "--num_samples", "2"], "error: --num_return_sequences must be 1 in greedy search"),
-    (["--repetition_penalty", "0"], "error: --repetition_penalty must be more than 0"),
+    (["--repetition_penalty", "0"], "error: --repetition_penalty must be in [0.001, 1000]"),
     (["--no_repeat_ngram_size", "-2"], "error: --no_repeat_ngram_size must be 0 (off) or more"),
     (["--min_new_tokens", "-1"], "error: --min_new_tokens must be 0 or more"),
     (["--max_new_tokens", "0"], "error: --max_new_tokens must be at least 1"),
     (["--prompts", "no/such/prompts.txt"], "error: --prompts no/such/prompts.txt: [Errno 2]"),
-    (["--json", "."], "error: --json .: cannot write there (a directory, not a file name)"),
+    (["--json", "."], "error: --json .: cannot write there (a directory, not a regular file)"),
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
     (["--top_k", "-5"], "error: --top_k must be 0 (no limit) or more"),
     (["--top_p", "0"], "error: --top_p must be in (0, 1]"),
@@ -147,9 +147,13 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--length_penalty", "nan"], "--length_penalty must be a finite number"),
-    (["--length_penalty", "inf"], "--length_penalty must be a finite number"),
-    (["--num_beams", "2", "--length_penalty=-inf"], "--length_penalty must be a finite number"),
+    (["--length_penalty", "nan"], "--length_penalty must be in [-10, 10]"),
+    (["--length_penalty", "inf"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "2", "--length_penalty=-inf"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "4", "--length_penalty", "1e308"], "--length_penalty must be in [-10, 10]"),
+    (["--num_beams", "1000000000000"], "--num_beams must be at most 1024"),
+    (["--num_return_sequences", "1000000000000"], "--num_return_sequences must be in [1, 1024]"),
+    (["--repetition_penalty", "1e-308"], "--repetition_penalty must be in [0.001, 1000]"),
     (["--min_new_tokens", "201"], "--min_new_tokens 201 is more than max_new_tokens 200"),
     (["--min_new_tokens", "5", "--max_new_tokens", "4"], "--min_new_tokens 5 is more than max_new_tokens 4"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
