@@ -296,7 +296,7 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     assert [r["step"] for r in train_records(resumed)] == [0, 1, 2]
     # Saved by a process that saw 8 GPUs, resumed where there is one: that one's state only.
     state = load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
-    state["rng"]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    state["rng"][0]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -305,7 +305,7 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     loader = ShardLoader(list_shards(shards, "train"), 8, 32)
     step = checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        torch.amp.GradScaler("cpu", enabled=False), loader)
-    assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
+    assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"][0]["cuda"][0])
 
 
 def test_resume_of_what_is_not_a_training_checkpoint_or_into_no_log_dir_is_one_line(shards, tmp_path, capsys):
