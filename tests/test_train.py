@@ -680,8 +680,8 @@ def test_dropout_resumes_exactly_on_2_ranks_each_drawing_its_own_masks(shards, t
     rng = load_checkpoint(saved)["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
     capsys.readouterr()
-    one = train(shards, tmp_path / "one", "--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--dropout", "0.1",
-                "--resume", saved)
+    one = train(shards, tmp_path / "one", "--total_batch_size", "256", "-B", "8", "--max_steps", "6",
+                "--dropout", "0.1", "--resume", saved)
     assert [r["step"] for r in train_records(one)] == [3, 4, 5]
     assert (f"note: {saved} holds the random state of 2 rank(s), this run has 1: the weights, optimizer and data "
             f"resume as saved, but dropout's masks are drawn afresh, so the losses from here are not those of the "
