@@ -1,7 +1,7 @@
 """Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
 A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss scaler, the step, the
-data loader's position, the RNG states, the config (GPTConfig as a dict) and the run's flags
+data loader's position, every rank's RNG state, the config (GPTConfig as a dict) and the run's flags
 (checkpoint_contents). It comes in two kinds:
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory into whose storage files
@@ -22,7 +22,7 @@ import shutil
 import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -94,41 +94,69 @@ def save_checkpoint(path, state):
     return True
 
 
-def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, flags):
+def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, flags, rng=None):
     """Everything an exact resume needs, as tensors and plain Python values; flags: the run's
-    flags by name (TrainConfig.flags()), kept as its record."""
+    flags by name (TrainConfig.flags()), kept as its record; rng: every rank's random_state(),
+    rank 0's first (None: this process's alone)."""
     return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            **train_state(raw_model, scaler, step, train_loader, flags)}
+            **train_state(raw_model, scaler, step, train_loader, flags, rng)}
 
 
-def train_state(raw_model, scaler, step, train_loader, flags):
+def train_state(raw_model, scaler, step, train_loader, flags, rng=None):
     """All of checkpoint_contents but the model's and the optimizer's tensors: what train_state.pt holds."""
     return {
         "scaler": scaler.state_dict(),
         "step": step,
         "train_loader": train_loader.state_dict(),
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "rng": rng or [random_state()],
         "config": asdict(raw_model.config),
         "args": flags,
     }
 
 
-def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
+def random_state():
+    """This process's random state, which draws its dropout masks: the CPU's and each GPU's it sees."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_random_state(path, saved, dropout, log):
+    """Restores this rank's random state from saved, a checkpoint's "rng": one random_state() per
+    rank (an older checkpoint's is one dict, of one rank). Saved on another number of ranks it
+    restores none, and under dropout logs that the masks are drawn afresh: each rank keeps the
+    seed the run gave it."""
+    states = [saved] if isinstance(saved, dict) else list(saved)
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if len(states) != ranks:
+        if dropout:
+            log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
+                f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
+                f"are not those of the run uninterrupted")
+        return
+    torch.set_rng_state(states[rank]["cpu"])
+    if states[rank]["cuda"] and torch.cuda.is_available():
+        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+
+
+def restore_training(state, path, raw_model, optimizer, scaler, train_loader, log=print):
     """Puts a run back where checkpoint_contents found it, from either kind of checkpoint into a model
-    sharded or not; returns its step."""
+    sharded or not; returns its step. The model's dropout is this run's: a checkpoint trained at
+    another is resumed at this one, with a note to log."""
     sharded = is_sharded_checkpoint(path)  # its tensors are read from the directory, not from state
     missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step")
                if key not in state and not (sharded and key == "optimizer")]
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     config = asdict(raw_model.config)
-    saved = model_fields(path, state["config"])
+    saved = dict(model_fields(path, state["config"]))
+    saved_dropout, dropout = saved.pop("dropout", GPTConfig.dropout), config.pop("dropout")
     if saved != config:
         diff = ", ".join(f"{k} {brief(v)} (this run: {config[k]})" for k, v in saved.items() if config[k] != v)
         raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
                               f"flags, or start over: --resume none (which moves the earlier run's files aside), "
                               f"or another --log_dir")
+    if saved_dropout != dropout:
+        log(f"note: {path} was trained at --dropout {brief(saved_dropout)}: resuming at this run's --dropout {dropout}")
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
@@ -154,10 +182,7 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader):
     with restoring(path, "train_loader"):
         train_loader.load_state_dict(state["train_loader"])
     with restoring(path, "rng"):
-        torch.set_rng_state(state["rng"]["cpu"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"][: torch.cuda.device_count()])
+        restore_random_state(path, state["rng"], dropout, log)
     return step
 
 
@@ -516,28 +541,25 @@ def remove_unfinished(log_dir):
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def model_of(path, config, **options):
-    """A GPT of a checkpoint's config (GPTConfig's fields as a dict), or a CheckpointError;
-    options: how it runs, as GPT's."""
+def model_of(path, config, dropout=None, **options):
+    """A GPT of a checkpoint's config (GPTConfig's fields as a dict; one without dropout, older,
+    has none), or a CheckpointError; dropout, if given, instead of the recorded one; options: how
+    it runs, as GPT's."""
     try:
-        return GPT(GPTConfig(**model_fields(path, config)), **options)
+        model_config = GPTConfig(**model_fields(path, config))
+        return GPT(model_config if dropout is None else replace(model_config, dropout=dropout), **options)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
 
 
 def model_fields(path, config):
-    """A checkpoint's config (a dict of plain values: contents_problem) as GPTConfig's fields: a
-    recorded "dropout" of 0 (older checkpoints hold one) is dropped; any other dropout, which this
-    GPT cannot apply, or a field GPTConfig lacks, is a CheckpointError."""
-    fields = {k: v for k, v in config.items() if k != "dropout"}
-    if config.get("dropout", 0) != 0:
-        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has dropout {brief(config['dropout'])}, "
-                              f"and this GPT has no dropout)")
-    unknown = next((k for k in fields if k not in GPTConfig.__dataclass_fields__), None)
+    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold only
+    GPTConfig's fields: another is a CheckpointError, named within bounds."""
+    unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
     if unknown is not None:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
                               f"which GPTConfig lacks)")
-    return fields
+    return config
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
@@ -567,17 +589,18 @@ class Checkpointer:
         local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
         finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
+        rng = every_rank(random_state())  # each rank's dropout masks resume as its own
         if self.sharded:
-            self._save_dcp(step, trainable, train_loader, flags)
+            self._save_dcp(step, trainable, train_loader, flags, rng)
         elif self.rank == 0:
             path = checkpoint_path(self.log_dir, step)
             state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
-                                        flags)
+                                        flags, rng)
             if save_checkpoint(path, state):
                 prune_checkpoints(self.log_dir, self.keep_last)
                 self.log(f"saved {path}")
 
-    def _save_dcp(self, step, trainable, train_loader, flags):
+    def _save_dcp(self, step, trainable, train_loader, flags, rng):
         self.wait()  # one checkpoint at a time
         path = checkpoint_path(self.log_dir, step, sharded=True)
         state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
@@ -585,7 +608,7 @@ class Checkpointer:
         if short:
             print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
             return
-        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags)
+        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags, rng)
         try:
             future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
         except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
@@ -631,7 +654,7 @@ class Checkpointer:
             path, state = found
             try:
                 step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler,
-                                        train_loader)
+                                        train_loader, self.log)
                 break
             except UnreadableStorage as e:
                 if resume != "auto":

@@ -114,10 +114,12 @@ def write_tokenizer(out_dir, model_max_length):
 # the model
 
 def hf_config(config):
-    # No dropout, as this GPT has none (GPT2Config's defaults are OpenAI's 0.1).
+    # The model's one dropout rate as GPT-2's three, which GPT applies where Hugging Face does (not
+    # GPT2Config's defaults, OpenAI's 0.1).
     return GPT2Config(
         vocab_size=N_VOCAB, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_head=config.n_head, activation_function="gelu_new", resid_pdrop=config.dropout, embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
         bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True,
     )
 

@@ -31,17 +31,18 @@ def load_model_on(name, device="cpu"):
     return model.to(device).eval(), device
 
 
-def load_model(name_or_path, map_location="cpu", **options):
+def load_model(name_or_path, map_location="cpu", dropout=None, **options):
     """A GPT from a checkpoint of train_gpt2.py (a .pt file or a sharded directory; of a run's
     log_dir, its newest, named on stderr), or from OpenAI's GPT-2 (gpt2 ... gpt2-xl) or a Hugging
     Face GPT-2 directory. Any failure is a CheckpointError of one line, so every script reports a
-    model it cannot load the same way. options: how it runs, as GPT's (the trainer's recompute and
-    attention)."""
+    model it cannot load the same way. dropout: the model's (the trainer's --dropout); None: a
+    checkpoint's recorded one, 0 for a Hugging Face model, whose pdrops are never read. options:
+    how it runs, as GPT's (the trainer's recompute and attention)."""
     check_source(name_or_path)
     name_or_path = newest_in_log_dir(name_or_path)
     if os.path.isfile(name_or_path) or is_sharded_checkpoint(name_or_path):
         state = load_checkpoint(name_or_path, map_location)
-        model = model_of(name_or_path, state["config"], **options)
+        model = model_of(name_or_path, state["config"], dropout, **options)
         if is_sharded_checkpoint(name_or_path):
             load_sharded(name_or_path, model)
         else:
@@ -50,7 +51,7 @@ def load_model(name_or_path, map_location="cpu", **options):
             except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's
                 raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
     else:
-        model = load_pretrained(name_or_path, **options)
+        model = load_pretrained(name_or_path, dropout=dropout or 0.0, **options)
     for name, tensor in model.state_dict().items():
         if not tensor.isfinite().all():
             raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values: no model to use")

@@ -6,7 +6,11 @@ Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), d
 ranks under FSDP; under --optimizer muon the blocks' matrices have Muon's one momentum buffer
 instead of AdamW's two moments (12 bytes for those parameters). Activations are what the forward pass keeps for the backward, counted per
 position of the micro-batch: the residual stream and LayerNorms in float32, what the matmuls read
-in the autocast dtype. tests/test_memory.py checks them against the tensors a tiny model saves.
+in the autocast dtype. Under --dropout, each dropout's mask (one byte an element, as CUDA's
+kernel keeps it) after the embeddings and on each residual branch; the attention probabilities'
+mask is none, as flash attention draws it again in the backward from a seed (the math kernel
+would keep n_head * seq_len bytes a position per block). tests/test_memory.py checks them against
+the tensors a tiny model saves.
 """
 import os
 import sys
@@ -70,12 +74,13 @@ def block_activation_bytes(config, recompute, a):
     inputs = 4 * C  # the block's input, float32: kept in every mode
     if recompute == "full":
         return inputs
-    attention = 8 + a * (C + 3 * C + C) + 4 * H  # LayerNorm stats, ln_1 out, q k v, SDPA out, log-sum-exp
+    mask = C if config.dropout else 0  # a residual branch's dropout mask
+    attention = 8 + a * (C + 3 * C + C) + 4 * H + mask  # LayerNorm stats, ln_1 out, q k v, SDPA out, log-sum-exp
     if recompute == "attn":
         attention = 0
     elif recompute == "core_attn":  # SDPA's output is kept anyway, as c_proj's input: only the log-sum-exp goes
         attention -= 4 * H
-    mlp = 4 * C + 8 + a * (C + 4 * C + 4 * C)  # its float32 input, LayerNorm stats, ln_2 out, c_fc out, GELU out
+    mlp = 4 * C + 8 + a * (C + 4 * C + 4 * C) + mask  # its float32 input, LayerNorm stats, ln_2 out, c_fc out, GELU out
     return inputs + attention + mlp
 
 
@@ -85,7 +90,8 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
     recomputing = -(-config.n_layer // every)  # counted, not summed block by block: any n_layer at once
     blocks = (recomputing * block_activation_bytes(config, recompute, a)
               + (config.n_layer - recomputing) * block_activation_bytes(config, "none", a))
-    top = 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd  # ids, targets, ln_f's input, stats and output
+    # ids, targets, the embeddings' dropout mask, ln_f's input, stats and output
+    top = 8 + 8 + (config.n_embd if config.dropout else 0) + 4 * config.n_embd + 8 + 4 * config.n_embd
     return batch * seq_len * (blocks + top)
 
 
@@ -186,7 +192,8 @@ def preset_model(name):
     """(GPTConfig, chunked_loss) of the preset configs/NAME.toml: its model flags over the
     trainer's defaults, GPT-2 (124M) at the padded vocabulary."""
     values = read_config(preset_path(name))
-    fields = {key: values[key] for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd") if key in values}
+    fields = {key: values[key] for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout")
+              if key in values}
     return GPTConfig(**{"vocab_size": PADDED_VOCAB, **fields}), bool(values.get("chunked_loss", 0))
 
 

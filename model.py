@@ -20,13 +20,16 @@ from tokenizer import N_VOCAB
 
 @dataclass
 class GPTConfig:
-    """What the model is: all that a checkpoint's config records of it. It has no dropout, as
-    build-nanogpt's GPT has none (checkpoint.model_fields reads a config that records one of 0)."""
+    """What the model is: all that a checkpoint's config records of it. dropout is how it trains,
+    not its architecture: GPT-2's, at one rate (OpenAI's 0.1), after the embeddings, on each
+    residual branch and on the attention probabilities, in training mode only; at 0.0, as in
+    build-nanogpt, the forward is exactly that of a GPT without it."""
     block_size: int = setting(1024, "context length of the model")
     vocab_size: int = setting(50257, "embedding rows: GPT-2's 50257 padded to a multiple of 128")
     n_layer: int = setting(12, "transformer blocks")
     n_head: int = setting(12, "attention heads per block")
     n_embd: int = setting(768, "width of the residual stream")
+    dropout: float = setting(0.0, "dropout probability in training (GPT-2's is 0.1; 0: none)")
     bias: bool = True  # biases in Linear layers and LayerNorms, as in GPT-2
 
     def __post_init__(self):  # a config read from a file fails here, in one line, not deep in a layer
@@ -35,6 +38,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive integer, not {brief(getattr(self, name))}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head {self.n_head} does not divide n_embd {self.n_embd}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a probability in [0, 1), not {self.dropout!r}")
 
 
 # OpenAI's four sizes, as Hugging Face names them.
@@ -142,9 +147,11 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = recompute_core  # SDPA run again in the backward pass
         self.n_head = config.n_head
         self.n_embd = config.n_embd
+        self.dropout = config.dropout  # of the attention probabilities, inside SDPA
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_PROJECTION = True
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, kv_cache=None, mask=None):
         """kv_cache: this layer's [keys, values] of earlier positions, extended in place
@@ -162,7 +169,7 @@ class CausalSelfAttention(nn.Module):
             kv_cache[:] = [k, v]
         y = recomputed(self.core, self.recompute_core)(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
     def core(self, q, k, v, mask):
         # A fused kernel (flash, cuDNN); a lone new query may see every earlier position, so needs no mask. An
@@ -170,7 +177,8 @@ class CausalSelfAttention(nn.Module):
         # The backends are chosen here, inside the forward: a compiled graph picks its kernel when
         # traced, and does not see an sdpa_kernel context around the call.
         with sdpa_kernel(self.kernels) if self.kernels else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) > 1,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -180,9 +188,10 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_PROJECTION = True
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -215,6 +224,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, recompute if i % recompute_every == 0 else "none", attention)
                              for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -271,7 +281,7 @@ class GPT(nn.Module):
         if n_pad is not None:
             mask = padding_mask(n_pad, start, T)
             pos = (pos - n_pad[:, None]).clamp(min=0)  # (B, T); the padding's own positions do not matter
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache[i] if kv_cache is not None else None, mask)
         return self.transformer.ln_f(x)
@@ -323,9 +333,10 @@ class GPT(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
 
     @classmethod
-    def from_pretrained(cls, name_or_path, local_files_only=False, **options):
+    def from_pretrained(cls, name_or_path, local_files_only=False, dropout=0.0, **options):
         """OpenAI's GPT-2 ("gpt2" ... "gpt2-xl", from the Hugging Face hub or its local cache) or a
-        local directory holding a Hugging Face GPT-2 checkpoint; options: how it runs, as GPT's."""
+        local directory holding a Hugging Face GPT-2 checkpoint; options: how it runs, as GPT's.
+        dropout is the caller's (a fine-tune's --dropout), never the directory's pdrops."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
         hf = GPT2Config.from_pretrained(name_or_path, local_files_only=local_files_only)  # checked before any weight is read
@@ -343,7 +354,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{name_or_path}: not a GPT-2 architecture ({field}={getattr(hf, field)!r})")
         try:
             config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size,
-                               n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd)
+                               n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, dropout=dropout)
         except ValueError as e:
             raise ValueError(f"config.json: {e}") from None
         hf_model = GPT2LMHeadModel.from_pretrained(name_or_path, local_files_only=local_files_only)

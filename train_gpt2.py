@@ -125,9 +125,9 @@ def setup(cfg):
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, log, rank == 0)
     mirrors = on_every_rank(logdir.log_mirrors, cfg, rank == 0)
 
-    # The model: random, or the weights of anything load_model takes, whose architecture then wins.
-    # Under FSDP a random one is built on the meta device, to be materialized one parameter at a
-    # time from init, its recorded initialisation (see sharding.py).
+    # The model: random, or the weights of anything load_model takes, whose architecture (not
+    # dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized
+    # one parameter at a time from init, its recorded initialisation (see sharding.py).
     torch.manual_seed(cfg.runtime.seed)
     devices.allow_tf32()
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
@@ -136,7 +136,7 @@ def setup(cfg):
     if cfg.init_from != "scratch":
         log(f"initialising from {cfg.init_from}")
         try:
-            raw_model = load_model(cfg.init_from, **options).to(device)
+            raw_model = load_model(cfg.init_from, dropout=cfg.model.dropout, **options).to(device)
         except CheckpointError as e:
             raise RunError(f"--init_from: {e}") from None
     elif cfg.scale.fsdp:
@@ -179,6 +179,7 @@ def setup(cfg):
     step_config = StepConfig(pick_dtype(cfg.runtime.dtype, device_type), batch.grad_accum_steps(world_size),
                              cfg.optimizer, cfg.scale, compile_mode)
     trainable = build_trainable(raw_model, device, step_config, init=init)
+    torch.manual_seed(cfg.runtime.seed + rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
         log(describe(trainable.optimizer, cfg.optimizer))
     saving = cfg.checkpoints

@@ -180,32 +180,37 @@ def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_li
 
 
 def with_dropout(ckpt, dropout):
-    """ckpt (sharded) with "dropout" in its config, as GPTConfig held it before it lost the field."""
+    """ckpt (sharded) with its config's "dropout" set, or removed (None): checkpoints written while
+    GPTConfig had no dropout hold none, or an unused 0.0."""
     state = checkpoint.load_checkpoint(str(ckpt))
-    torch.save({**state, "config": {**state["config"], "dropout": dropout}}, ckpt / checkpoint.TRAIN_STATE)
+    config = {k: v for k, v in state["config"].items() if k != "dropout"}
+    torch.save({**state, "config": config if dropout is None else {**config, "dropout": dropout}},
+               ckpt / checkpoint.TRAIN_STATE)
 
 
-def test_the_dropout_0_of_older_checkpoints_loads_and_any_other_is_one_line(copy, sharded_run, shards, tmp_path,
-                                                                           capsys):
-    """Every checkpoint written before GPTConfig lost its dropout holds "dropout": 0.0: each reader and
-    --resume take it as before. Another dropout is one that this GPT, which has none, cannot apply."""
+def test_older_checkpoints_load_and_a_recorded_dropout_gives_way_to_the_runs(copy, sharded_run, shards, tmp_path,
+                                                                             capsys):
+    """A checkpoint with no dropout, or 0.0, loads in each reader and resumes as before. One trained at
+    0.1 gives the readers a model of dropout 0.1, and a resume
+    says in one line that the run's --dropout wins."""
     idx = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 16))
     expected = loading.load_model(str(copy / "ckpt_000004"))(idx)[0]
-    with_dropout(copy / "ckpt_000004", 0.0)
+    with_dropout(copy / "ckpt_000004", None)
     assert torch.equal(loading.load_model(str(copy / "ckpt_000004"))(idx)[0], expected)
     one_file = tmp_path / "one_file.pt"
     checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
-    assert torch.load(one_file)["config"]["dropout"] == 0.0
+    assert "dropout" not in torch.load(one_file)["config"]  # the record, converted as it is
     assert torch.equal(loading.load_model(str(one_file))(idx)[0], expected)
-    with_dropout(copy / "ckpt_000002", 0.0)
+    with_dropout(copy / "ckpt_000002", None)
     records = train(shards, tmp_path / "resumed", *RUN, "--resume", copy / "ckpt_000002")
     assert_same_run([r for r in sharded_run[0] if r["step"] >= 2], records)
     capsys.readouterr()
-    with_dropout(copy / "ckpt_000004", 0.1)
-    refusal = "not a checkpoint of this GPT (its config has dropout 0.1, and this GPT has no dropout)"
-    assert_every_reader_refuses(copy / "ckpt_000004", tmp_path, capsys, refusal)
-    assert refusal in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume",
-                               copy / "ckpt_000004")
+    with_dropout(copy / "ckpt_000002", 0.1)
+    model = loading.load_model(str(copy / "ckpt_000002"))
+    assert model.config.dropout == 0.1
+    train(shards, tmp_path / "resumed_at_0", *RUN, "--resume", copy / "ckpt_000002")
+    assert (f"note: {copy / 'ckpt_000002'} was trained at --dropout 0.1: resuming at this run's --dropout 0.0"
+            in capsys.readouterr().out.splitlines())
 
 
 def edit_metadata(ckpt, edit):

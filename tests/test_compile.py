@@ -34,3 +34,24 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
     # One graph for training and one for evaluation (no grad, eval mode); back to training reuses the first.
     assert counter.frame_count == 2
+
+
+@pytest.mark.slow
+def test_a_compiled_model_with_dropout_trains_and_evaluates_as_eager(tmp_path, monkeypatch):
+    """Compiled (aot_eager: torch's autograd tracing without inductor's C++ builds), a model with
+    dropout 0.1 draws masks in training, not in evaluation, where it equals the eager model, and learns."""
+    write_token_shards(tmp_path)
+    config = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    t = train_gpt2.build_trainable(GPT(config), "cpu", train_gpt2.StepConfig(torch.float32, 1, compile_mode="default"))
+    x, y = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False).next_batch()
+    assert not torch.equal(t.model(x, y)[1], t.model(x, y)[1])  # two masks
+    t.model.eval()
+    with torch.no_grad():
+        assert torch.equal(t.model(x, y)[1], t.raw_model(x, y)[1])
+    t.model.train()
+    train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
+    losses = [train_gpt2.train_step(t, train, 3e-3).loss for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 import export_hf
 from loading import load_model
 from helpers import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
-from model import GPT
+from model import GPT, GPTConfig
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 HELLO = "Hello, I'm a language model,"
@@ -231,3 +231,13 @@ def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_di
         message = exit_message(capsys, script.main, *argv, *(["--device", "cpu"] if script is not export_hf else []))
         assert expected in message, (script.__name__, message)
     assert not (directory / "ran").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_export_writes_the_models_dropout_as_gpt2s_three_pdrops(tmp_path):
+    """A checkpoint trained at --dropout 0.1 exports with pdrops of 0.1; one of none, with 0."""
+    for dropout in (0.1, 0.0):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, dropout=dropout))
+        export_hf.main([save_as_checkpoint(model, tmp_path / f"{dropout}.pt"), str(tmp_path / str(dropout))])
+        config = GPT2LMHeadModel.from_pretrained(tmp_path / str(dropout)).config
+        assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (dropout, dropout, dropout)

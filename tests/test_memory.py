@@ -2,9 +2,11 @@
 estimate matches what a model saves."""
 import itertools
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import devices
 import fused_loss
@@ -26,16 +28,21 @@ def gradients(model, idx, **forward):
 
 @pytest.mark.parametrize("mode", RECOMPUTE[1:])
 @pytest.mark.parametrize("every", [1, 2])
-def test_recompute_gives_bit_identical_gradients(mode, every):
-    """A block recomputed as another (a closure over a loop variable) would change every gradient below it."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_recompute_gives_bit_identical_gradients(mode, every, dropout):
+    """A block recomputed as another (a closure over a loop variable) would change every gradient
+    below it; a recomputed forward that drew other dropout masks than the first, too."""
     torch.manual_seed(0)
-    model = GPT(CONFIG).train()
+    config = replace(CONFIG, dropout=dropout)
+    model = GPT(config).train()
     idx = torch.randint(0, CONFIG.vocab_size, (2, 48))
+    torch.manual_seed(1)
     expected = gradients(model, idx)
-    recomputing = GPT(CONFIG, recompute=mode, recompute_every=every).train()
+    recomputing = GPT(config, recompute=mode, recompute_every=every).train()
     recomputing.load_state_dict(model.state_dict())
     assert [block.recompute for block in recomputing.transformer.h] == [mode if i % every == 0 else "none"
                                                                          for i in range(4)]
+    torch.manual_seed(1)
     got = gradients(recomputing, idx)
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
@@ -59,11 +66,20 @@ def saved_for_backward(model, idx, **loss):
 
 @pytest.mark.parametrize("mode", RECOMPUTE)
 @pytest.mark.parametrize("every", [1, 2])
-def test_the_activation_estimate_matches_what_the_model_saves(mode, every):
-    model = GPT(CONFIG, recompute=mode, recompute_every=every).train()
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_activation_estimate_matches_what_the_model_saves(mode, every, dropout, monkeypatch):
+    """Dropout as on a GPU: CUDA's dropout kernel keeps a bool mask (the CPU's keeps a float32
+    one), and flash attention keeps no mask of the attention probabilities (on the CPU, dropout
+    takes SDPA to its math kernel, which keeps several): here SDPA runs without it."""
+    config = replace(CONFIG, dropout=dropout)
+    if dropout:
+        monkeypatch.setattr(F, "dropout", lambda x, p, training, inplace=False: torch.native_dropout(x, p, training)[0])
+    model = GPT(config, recompute=mode, recompute_every=every).train()
+    for block in model.transformer.h:
+        block.attn.dropout = 0.0
     B, T = 2, 64
-    measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)), chunked_loss=True)
-    estimate = memory.activation_bytes(CONFIG, B, T, mode, every, a=4) + memory.head_gradient_bytes(CONFIG)
+    measured = saved_for_backward(model, torch.randint(0, config.vocab_size, (B, T)), chunked_loss=True)
+    estimate = memory.activation_bytes(config, B, T, mode, every, a=4) + memory.head_gradient_bytes(CONFIG)
     assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
 
@@ -72,9 +88,10 @@ def test_the_activation_estimate_is_the_sum_over_its_blocks():
     def summed(config, batch, seq_len, mode, every, a):
         blocks = sum(memory.block_activation_bytes(config, mode if i % every == 0 else "none", a)
                      for i in range(config.n_layer))
-        return batch * seq_len * (blocks + 8 + 8 + 4 * config.n_embd + 8 + 4 * config.n_embd)
-    for n_layer in range(1, 10):
-        config = GPTConfig(n_layer=n_layer, n_head=4, n_embd=64)
+        mask = config.n_embd if config.dropout else 0
+        return batch * seq_len * (blocks + 8 + 8 + mask + 4 * config.n_embd + 8 + 4 * config.n_embd)
+    for n_layer, dropout in itertools.product(range(1, 10), (0.0, 0.1)):
+        config = GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, dropout=dropout)
         for every, mode, a in itertools.product(range(1, 12), RECOMPUTE, (2, 4)):
             assert memory.activation_bytes(config, 3, 5, mode, every, a) == summed(config, 3, 5, mode, every, a)
 

@@ -289,3 +289,58 @@ def test_left_padding_gives_each_row_its_own_logits_through_the_cache():
             assert torch.allclose(step[row, -1], alone[0, -1], atol=1e-5)
         # No padding at all: the mask's path and the plain causal one agree.
         assert torch.allclose(model(idx, n_pad=torch.zeros(2, dtype=torch.long))[0], model(idx)[0], atol=1e-5)
+
+
+def forward_backward(model, idx):
+    """(logits, loss, gradients) of one forward and backward pass of model on idx."""
+    model.zero_grad()
+    logits, loss = model(idx, idx.roll(1))
+    loss.backward()
+    return logits.detach(), loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_dropout_0_changes_nothing_in_training_mode_and_draws_no_random_number():
+    """At the default 0.0 a training-mode pass is bit for bit the evaluation-mode pass (where no
+    dropout runs), and leaves the random state as it found it: a run without dropout is the run of
+    a GPT that has none."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    assert model.config.dropout == 0.0
+    idx = torch.randint(0, 128, (3, 32))
+    before = torch.get_rng_state()
+    trained = forward_backward(model.train(), idx)
+    assert torch.equal(torch.get_rng_state(), before)
+    evaluated = forward_backward(model.eval(), idx)
+    assert torch.equal(trained[0], evaluated[0]) and torch.equal(trained[1], evaluated[1])
+    for name, grad in evaluated[2].items():
+        assert torch.equal(trained[2][name], grad), name
+
+
+@pytest.mark.parametrize("config", [dict(dropout=-0.1), dict(dropout=1.0), dict(dropout=math.nan),
+                                    dict(dropout=math.inf), dict(dropout=True), dict(dropout="0.1")])
+def test_a_dropout_that_is_not_a_probability_is_refused(config):
+    with pytest.raises(ValueError, match=r"^dropout must be a probability in \[0, 1\), not "):
+        GPTConfig(**TINY, **config)
+
+
+def test_dropout_is_hugging_faces_in_training_and_evaluation(hf_gpt2_dir):
+    """GPT-2's three dropouts at one rate, where Hugging Face applies them: with the same seed a
+    training-mode pass draws the same masks and gives its logits; in evaluation mode, those of the
+    same weights without dropout. The directory's pdrops (OpenAI's 0.1) are not read."""
+    hf, path = hf_gpt2_dir
+    assert (hf.config.resid_pdrop, hf.config.embd_pdrop, hf.config.attn_pdrop) == (0.1, 0.1, 0.1)
+    assert GPT.from_pretrained(path).config.dropout == 0.0
+    ours = GPT.from_pretrained(path, dropout=0.1)
+    assert ours.config.dropout == 0.1
+    idx = torch.randint(0, 128, (3, 64))
+    hf.train()
+    ours.train()
+    torch.manual_seed(5)
+    expected = hf(idx).logits
+    torch.manual_seed(5)
+    got = ours(idx)[0]
+    assert (got - expected).abs().max().item() < 1e-4
+    assert (got - ours.eval()(idx)[0]).abs().max().item() > 0.1  # the masks made a difference
+    with torch.no_grad():
+        assert (ours(idx)[0] - hf.eval()(idx).logits).abs().max().item() < 1e-4
+        assert torch.equal(ours(idx)[0], GPT.from_pretrained(path).eval()(idx)[0])

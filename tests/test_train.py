@@ -15,6 +15,7 @@ import checkpoint
 import loading
 import devices
 import distributed
+import hellaswag
 import train_gpt2
 from checkpoint import load_checkpoint
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
@@ -317,7 +318,7 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     assert [r["step"] for r in train_records(resumed)] == [0, 1, 2]
     # Saved by a process that saw 8 GPUs, resumed where there is one: that one's state only.
     state = load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
-    state["rng"]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    state["rng"][0]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -326,7 +327,7 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     loader = ShardLoader(list_shards(shards, "train"), 8, 32)
     step = checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        torch.amp.GradScaler("cpu", enabled=False), loader)
-    assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"]["cuda"][0])
+    assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"][0]["cuda"][0])
 
 
 def test_a_val_loss_that_is_not_finite_stops_the_run_naming_the_val_shards(shards, tmp_path, capsys, monkeypatch):
@@ -735,3 +736,83 @@ def test_init_from_takes_only_the_weights_of_a_checkpoint_or_a_hugging_face_dire
     capsys.readouterr()
     assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "d", "--init_from", missing) == (
         f"error: --init_from: {missing}: no such checkpoint")
+
+
+def test_dropout_resumes_exactly_in_one_process(shards, tmp_path):
+    """With --dropout 0.1 the masks resume too: a run resumed from its checkpoint gives the
+    uninterrupted run's per-step losses bit for bit, and its final weights."""
+    run = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--dropout", "0.1"]
+    full = train(shards, tmp_path / "full", *run, "--checkpoint_interval", "4")
+    resumed = train(shards, tmp_path / "resumed", *run, "--resume", tmp_path / "full" / "ckpt_000004.pt")
+    assert load_checkpoint(str(tmp_path / "full" / "ckpt_000004.pt"))["config"]["dropout"] == 0.1
+    assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(full)][4:]
+    for key, tensor in final_weights(tmp_path / "full", 8).items():
+        assert torch.equal(tensor, final_weights(tmp_path / "resumed", 8)[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [[], ["--fsdp", "1"]], ids=["ddp", "fsdp"])
+def test_dropout_resumes_exactly_on_2_ranks_each_drawing_its_own_masks(shards, tmp_path, capsys, scale):
+    """Under DDP and FSDP on 2 ranks, a run resumed from its checkpoint gives the uninterrupted run's
+    per-step losses bit for bit: the checkpoint holds each rank's random state, and the ranks' differ
+    (their dropout masks are their own). Resumed in one process it says what is not reproduced."""
+    run = [*TINY, "--data_dir", shards, "--total_batch_size", "256", "-B", "4", "--max_steps", "6", "--dropout", "0.1",
+           *scale]
+    full = run_torchrun("train_gpt2.py", *run, "--checkpoint_interval", "3", "--log_dir", tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    saved = checkpoint.list_checkpoints(str(tmp_path / "full"))[0]
+    resumed = run_torchrun("train_gpt2.py", *run, "--resume", saved, "--log_dir", tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / name))] for name in ("full", "resumed")]
+    assert losses[1] == losses[0][3:]
+    rng = load_checkpoint(saved)["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
+    capsys.readouterr()
+    one = train(shards, tmp_path / "one", "--total_batch_size", "256", "-B", "8", "--max_steps", "6",
+                "--dropout", "0.1", "--resume", saved)
+    assert [r["step"] for r in train_records(one)] == [3, 4, 5]
+    assert (f"note: {saved} holds the random state of 2 rank(s), this run has 1: the weights, optimizer and data "
+            f"resume as saved, but dropout's masks are drawn afresh, so the losses from here are not those of the "
+            f"run uninterrupted") in capsys.readouterr().out.splitlines()
+
+
+def test_dropout_flag_is_the_models_whatever_init_from_recorded(shards, tmp_path, hf_gpt2_dir):
+    """--init_from takes the weights: a Hugging Face directory's pdrops (OpenAI's 0.1) and a
+    checkpoint's recorded dropout give way to --dropout (default 0)."""
+    hf, hf_dir = hf_gpt2_dir
+    data = tmp_path / "vocab128"
+    write_token_shards(data, vocab=hf.config.vocab_size)
+    run = ["--total_batch_size", "256", "-B", "8", "--max_steps", "1"]
+    train(str(data), tmp_path / "a", *run, "--init_from", hf_dir)
+    assert load_checkpoint(str(tmp_path / "a" / "ckpt_000001.pt"))["config"]["dropout"] == 0.0
+    train(str(data), tmp_path / "b", *run, "--init_from", tmp_path / "a" / "ckpt_000001.pt", "--dropout", "0.2")
+    assert load_checkpoint(str(tmp_path / "b" / "ckpt_000001.pt"))["config"]["dropout"] == 0.2
+    train(str(data), tmp_path / "c", *run, "--init_from", tmp_path / "b" / "ckpt_000001.pt")
+    assert load_checkpoint(str(tmp_path / "c" / "ckpt_000001.pt"))["config"]["dropout"] == 0.0
+
+
+def test_val_loss_hellaswag_and_samples_run_without_dropout(shards, tmp_path):
+    """Each runs in evaluation mode, then puts the model back to training: with dropout 0.5 they give
+    what the same weights without dropout give."""
+    examples = hellaswag.read_examples(write_jsonl(tmp_path / "examples.jsonl", EXAMPLES))
+    results = []
+    for dropout in (0.5, 0.0):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, dropout=dropout))
+        trainable = train_gpt2.build_trainable(model, "cpu", train_gpt2.StepConfig(torch.float32, 1))
+        loader = ShardLoader(list_shards(shards, "val"), 4, 32, shuffle=False)
+        torch.manual_seed(dropout * 10)  # another random state: a mask drawn would differ
+        results.append((train_gpt2.estimate_val_loss(trainable, loader, 2),
+                        train_gpt2.hellaswag_accuracy(trainable, examples, 0, 1),
+                        train_gpt2.sample_texts(trainable, seed=1, num_samples=2, max_new_tokens=8)))
+        assert model.training
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1", "nan", "inf"])
+def test_a_dropout_that_is_not_a_probability_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.parse_args(["--dropout", value])
+    assert exit_info.value.code == 2
+    assert re.search(r": error: --dropout must be a (probability in \[0, 1\)|finite number), not ",
+                     capsys.readouterr().err.strip().splitlines()[-1])
