@@ -8,7 +8,9 @@ data loader's position, every rank's RNG state, the config (GPTConfig as a dict)
   every rank writes its own slices of the model and the optimizer (under FSDP), beside
   train_state.pt with the rest; the storage files are read as plain data by dcp_reader.py.
 Every reader goes through load_checkpoint; a run resumes through restore_training, from
-either kind, sharded or not, on any number of ranks.
+either kind, sharded or not, on any number of ranks. This file reads in that order: the
+Checkpointer that decides when a run saves, saves and restores; what a checkpoint holds and how
+it is restored; where checkpoints are in a log_dir; then each format.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
@@ -43,56 +45,117 @@ from muon import OPTIMIZERS, OptimizerConfig, build_optimizer, optimizer_name, s
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP
 TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's and the optimizer's tensors
-# How deep a checkpoint's plain data nests: optimizer, a MuonAdamW's part, param_groups, a group, its betas.
-CHECKPOINT_DEPTH = 6
-# The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
-# flags, whose --fault is a list of dicts.
-RECORD_DEPTHS = {"config": 1, "args": 3}
 
 
-def checkpoint_path(log_dir, step, sharded=False):
-    return os.path.join(log_dir, f"ckpt_{step:06d}" + ("" if sharded else ".pt"))
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+class Checkpointer:
+    """When and how a run saves and resumes (as torchtitan's CheckpointManager): every interval
+    steps and at the end, only finite weights, only where every rank's disk has room, one file
+    from rank 0 or (sharded) storage files from every rank, in the background with async_save,
+    the oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
+
+    def __init__(self, log_dir, interval, keep_last, sharded=False, async_save=False, log=print):
+        self.log_dir, self.interval, self.keep_last = log_dir, interval, keep_last
+        self.sharded, self.async_save, self.log = sharded, async_save, log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending = None  # (path, future) of a sharded checkpoint still being written
+
+    def due(self, step, start_step, last_step):
+        """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
+        return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
+
+    def save(self, step, trainable, train_loader, flags):
+        """Saves trainable and the loader at step, on every rank at once: a refusal (weights
+        that are not finite) then stops every rank, none left waiting at the next collective.
+        An interval of -1 saves nothing."""
+        if self.interval < 0:
+            return
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
+        finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
+        agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
+        rng = every_rank(random_state())  # each rank's dropout masks resume as its own
+        if self.sharded:
+            self._save_dcp(step, trainable, train_loader, flags, rng)
+        elif self.rank == 0:
+            path = checkpoint_path(self.log_dir, step)
+            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
+                                        flags, rng)
+            if save_checkpoint(path, state):
+                prune_checkpoints(self.log_dir, self.keep_last)
+                self.log(f"saved {path}")
+
+    def _save_dcp(self, step, trainable, train_loader, flags, rng):
+        self.wait()  # one checkpoint at a time
+        path = checkpoint_path(self.log_dir, step, sharded=True)
+        state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
+        short = [why for why in every_rank(room_problem(self.log_dir, state_dicts)) if why]
+        if short:
+            print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
+            return
+        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags, rng)
+        try:
+            future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
+        except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
+            return
+        self.pending = (path, future)
+        if future is None:
+            self.wait()
+
+    def wait(self):
+        """Returns once the checkpoint being written, if any, is complete and in place."""
+        if self.pending is None:
+            return
+        (path, future), self.pending = self.pending, None
+        try:
+            if future is not None:
+                future.result()
+                if dist.is_initialized():
+                    dist.barrier()  # rank 0 has renamed it into place
+        except (OSError, CheckpointException) as e:
+            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
+            return
+        if self.rank == 0:
+            prune_checkpoints(self.log_dir, self.keep_last)
+        self.log(f"saved {path}")
+
+    def restore(self, resume, trainable, train_loader, max_steps, flags=None):
+        """Restores the checkpoint resume names ("auto", "none" or a path) into trainable and the
+        loader, under this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs
+        those that differ from the checkpoint's record in one line. Returns the step to start from.
+        Every rank reads the checkpoint itself, so all must find the same one: on several nodes,
+        log_dir must be shared storage. Under "auto", a sharded checkpoint whose storage files
+        cannot be read (damage shows only then) is passed over for the next older one, which
+        overwrites whatever the failed restore had loaded."""
+        found = find_resume(resume, self.log_dir)
+        while True:
+            steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
+            if len(set(steps)) > 1:
+                raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                               f"on several nodes, --log_dir must be a directory they all share")
+            if found is None:
+                return 0
+            path, state = found
+            try:
+                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler,
+                                        train_loader, self.log)
+                break
+            except UnreadableStorage as e:
+                if resume != "auto":
+                    raise
+                self.log(f"warning: skipping {e}")
+                found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
+        self.log(f"resuming from {path} at step {step}")
+        changed = changed_hyperparameters(state.get("args"), flags or {})
+        if changed:
+            self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
+        if resume != "auto" and step < max_steps:
+            check_no_later_checkpoints(self.log_dir, step)
+        return step
 
 
-def checkpoint_step(path):
-    return int(CHECKPOINT_RE.search(path).group(1))
-
-
-def list_checkpoints(log_dir):
-    """The checkpoints in log_dir of either kind, oldest step first. A sharded one is complete
-    only under its final name: it is written under another and renamed."""
-    paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*"))
-             if CHECKPOINT_RE.search(p) and os.path.isdir(p) != p.endswith(".pt")]
-    return sorted(paths, key=checkpoint_step)
-
-
-def plain_state_dict(state_dict):
-    """Model keys without the prefixes torch.compile and DDP add, so any script can load them."""
-    def strip(key):
-        while key.startswith(WRAPPER_PREFIXES):
-            key = key.split(".", 1)[1]
-        return key
-    return {strip(k): v for k, v in state_dict.items()}
-
-
-def save_checkpoint(path, state):
-    """Writes state to path through a temporary file, flushed and renamed, so a crash at any
-    moment leaves either the complete new file or none. Returns False, keeping older files,
-    when the disk lacks room."""
-    short = room_problem(os.path.dirname(os.path.abspath(path)), state)
-    if short:
-        print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
-        return False
-    try:
-        with atomic_open(path) as f:
-            torch.save(state, f)
-    except (OSError, RuntimeError) as e:  # a full disk despite the check, a quota, a file-size limit, a
-        # vanished mount; torch's zip writer reports the OSError as "RuntimeError: ... unexpected pos"
-        print(f"warning: could not write checkpoint {path}: {first_line(e)}; older checkpoints are kept",
-              file=sys.stderr)
-        return False
-    return True
-
+# ----------------------------------------------------------------------------- what a checkpoint holds
 
 def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, flags, rng=None):
     """Everything an exact resume needs, as tensors and plain Python values; flags: the run's
@@ -186,6 +249,16 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader, lo
     return step
 
 
+@contextmanager
+def restoring(path, field):
+    """Restoring field from the checkpoint at path: a value that cannot be restored (a hand-edited
+    or foreign file's) is one CheckpointError naming both, never a traceback."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
+
+
 def saved_optimizer_name(path, state):
     """The --optimizer a training checkpoint was saved under; adamw for one from before the flag."""
     return recorded_flag(path, state, "optimizer", "adamw", lambda name: name in OPTIMIZERS)
@@ -198,16 +271,6 @@ def recorded_flag(path, state, name, default, valid):
     if not valid(value):
         raise CheckpointError(f"{path}: its recorded --{name} is {brief(value)}, which that flag cannot be")
     return value
-
-
-@contextmanager
-def restoring(path, field):
-    """Restoring field from the checkpoint at path: a value that cannot be restored (a hand-edited
-    or foreign file's) is one CheckpointError naming both, never a traceback."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
 # The flags that set the optimizer's hyperparameters (the schedule's among them): on resume, this
@@ -289,6 +352,215 @@ def number_in(value, low, high):
 def is_rate(value):
     """Whether value can be a learning rate that others are scaled by: a positive finite number."""
     return number_in(value, 0, math.inf) and value > 0
+
+
+def model_of(path, config, dropout=None, **options):
+    """A GPT of a checkpoint's config (GPTConfig's fields as a dict; one without dropout, older,
+    has none), or a CheckpointError; dropout, if given, instead of the recorded one; options: how
+    it runs, as GPT's."""
+    try:
+        model_config = GPTConfig(**model_fields(path, config))
+        return GPT(model_config if dropout is None else replace(model_config, dropout=dropout), **options)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
+
+
+def model_fields(path, config):
+    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold only
+    GPTConfig's fields: another is a CheckpointError, named within bounds."""
+    unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
+    if unknown is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
+                              f"which GPTConfig lacks)")
+    return config
+
+
+# ----------------------------------------------------------------------------- where they are: log_dir
+
+def checkpoint_path(log_dir, step, sharded=False):
+    return os.path.join(log_dir, f"ckpt_{step:06d}" + ("" if sharded else ".pt"))
+
+
+def checkpoint_step(path):
+    return int(CHECKPOINT_RE.search(path).group(1))
+
+
+def list_checkpoints(log_dir):
+    """The checkpoints in log_dir of either kind, oldest step first. A sharded one is complete
+    only under its final name: it is written under another and renamed."""
+    paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*"))
+             if CHECKPOINT_RE.search(p) and os.path.isdir(p) != p.endswith(".pt")]
+    return sorted(paths, key=checkpoint_step)
+
+
+def find_resume(resume, log_dir):
+    """(path, state) to resume from, or None to start fresh: resume is "none", "auto" (the newest
+    checkpoint in log_dir that loads) or a checkpoint's path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(log_dir)
+    return resume, load_checkpoint(resume)
+
+
+def latest_checkpoint(log_dir, map_location="cpu", before=None):
+    """(path, state) of the newest checkpoint in log_dir (of a step before `before`, if given) that
+    loads, or None if log_dir holds no checkpoint. A damaged newer one (a bad disk, a hand edit) is
+    skipped with a warning; if every one is damaged, CheckpointError: starting again from step 0
+    would overwrite the run they hold."""
+    every = list_checkpoints(log_dir)
+    paths = [p for p in every if before is None or checkpoint_step(p) < before]
+    problems = []
+    for path in reversed(paths):
+        try:
+            state = load_checkpoint(path, map_location)
+        except CheckpointError as e:
+            problems.append(e)
+            continue
+        for problem in problems:
+            print(f"warning: skipping {problem}", file=sys.stderr)
+        return path, state
+    if every:
+        names = ", ".join(os.path.basename(p) for p in every)
+        raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "
+                              f"--resume none, which moves them aside")
+    return None
+
+
+def check_no_later_checkpoints(log_dir, step):
+    """Training on from an older checkpoint into a log_dir that holds checkpoints of later steps
+    would interleave two runs there, and --resume auto or --keep_last would later take the wrong files."""
+    later = [p for p in list_checkpoints(log_dir) if checkpoint_step(p) > step]
+    if later:
+        raise CheckpointError(f"{log_dir} holds checkpoints past step {step} ({os.path.basename(later[-1])}, ...): "
+                              f"training from step {step} there would mix two runs; choose another --log_dir, "
+                              f"or delete them to branch off")
+
+
+def prune_checkpoints(log_dir, keep_last):
+    """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all), and what saves
+    that were killed left behind."""
+    remove_unfinished(log_dir)
+    if keep_last > 0:
+        for path in list_checkpoints(log_dir)[:-keep_last]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def remove_unfinished(log_dir):
+    """Removes the temporary files and .partial directories of saves that a SIGKILL or a power cut
+    ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
+    for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
+        if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def room_problem(directory, states):
+    """Why directory's disk lacks room for the tensors in states (with a margin), or None."""
+    need = 1.1 * sum(x.numel() * x.element_size() for x in tensors_in(states)) + (1 << 20)
+    free = shutil.disk_usage(directory).free
+    return f"{free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed" if free < need else None
+
+
+def tensors_in(obj):
+    """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's local piece."""
+    if isinstance(obj, DTensor):
+        yield obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+# ----------------------------------------------------------------------------- one file
+
+def save_checkpoint(path, state):
+    """Writes state to path through a temporary file, flushed and renamed, so a crash at any
+    moment leaves either the complete new file or none. Returns False, keeping older files,
+    when the disk lacks room."""
+    short = room_problem(os.path.dirname(os.path.abspath(path)), state)
+    if short:
+        print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
+        return False
+    try:
+        with atomic_open(path) as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as e:  # a full disk despite the check, a quota, a file-size limit, a
+        # vanished mount; torch's zip writer reports the OSError as "RuntimeError: ... unexpected pos"
+        print(f"warning: could not write checkpoint {path}: {first_line(e)}; older checkpoints are kept",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Loads a checkpoint with weights_only=True: tensors and plain data only. A pickle that
+    would construct anything else, code included, is refused before any of it runs. Of a
+    sharded checkpoint, only train_state.pt: its tensors are read into a model by
+    restore_training or loading.load_model."""
+    if is_sharded_checkpoint(path):
+        check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
+        return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
+    return _load_plain(path, map_location)
+
+
+def _load_plain(path, map_location, require=("model", "config")):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        unsafe = re.search(r"GLOBAL (\S+)", str(e))  # a pickle that would build an object: code can hide there
+        if unsafe:
+            raise CheckpointError(f"{path}: refused: not a plain-data checkpoint (it would construct "
+                                  f"{unsafe.group(1)}); nothing in it was run") from None
+        raise CheckpointError(f"{path}: not a checkpoint (no file that torch.save writes); nothing in it was run") from None
+    except Exception as e:  # truncated, overwritten, not a torch file at all
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {detail})") from None
+    if not isinstance(state, dict) or any(key not in state for key in require):
+        raise CheckpointError(f"{path}: not a checkpoint of this project (no {' or '.join(require)})")
+    problem = contents_problem(state)
+    if problem:
+        raise CheckpointError(f"{path}: not a checkpoint of this project ({problem})")
+    if "model" in state:
+        state["model"] = plain_state_dict(state["model"])
+    return state
+
+
+# How deep a checkpoint's plain data nests: optimizer, a MuonAdamW's part, param_groups, a group, its betas.
+CHECKPOINT_DEPTH = 6
+# The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
+# flags, whose --fault is a list of dicts.
+RECORD_DEPTHS = {"config": 1, "args": 3}
+
+
+def contents_problem(state):
+    """Why a loaded checkpoint cannot be used or printed at a bounded cost, or None: it must be
+    tensors and plain data CHECKPOINT_DEPTH deep at most, its model a dict, its records dicts of
+    plain values."""
+    if not isinstance(state.get("model", {}), dict):
+        return f"its model is {brief(state['model'])}, not a state dict"
+    for field, depth in RECORD_DEPTHS.items():
+        if field in state and not isinstance(state[field], dict):
+            return f"its {field} is {brief(state[field])}, not a dict of values"
+        problem = structure_problem(state.get(field, {}), depth)
+        if problem:
+            return f"its {field} {problem}"
+    problem = structure_problem(state, CHECKPOINT_DEPTH, leaves=(torch.Tensor, *PLAIN_TYPES))
+    return f"it {problem}" if problem else None
+
+
+def plain_state_dict(state_dict):
+    """Model keys without the prefixes torch.compile and DDP add, so any script can load them."""
+    def strip(key):
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        return key
+    return {strip(k): v for k, v in state_dict.items()}
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -406,268 +678,6 @@ def load_whole_into_sharded(state, model, optimizer):
                                     for g in with_run_settings(saved["param_groups"], part)]
     set_state_dict(model, torch_optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=by_name,
                    options=StateDictOptions(full_state_dict=True))
-
-
-def find_resume(resume, log_dir):
-    """(path, state) to resume from, or None to start fresh: resume is "none", "auto" (the newest
-    checkpoint in log_dir that loads) or a checkpoint's path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return latest_checkpoint(log_dir)
-    return resume, load_checkpoint(resume)
-
-
-def check_no_later_checkpoints(log_dir, step):
-    """Training on from an older checkpoint into a log_dir that holds checkpoints of later steps
-    would interleave two runs there, and --resume auto or --keep_last would later take the wrong files."""
-    later = [p for p in list_checkpoints(log_dir) if checkpoint_step(p) > step]
-    if later:
-        raise CheckpointError(f"{log_dir} holds checkpoints past step {step} ({os.path.basename(later[-1])}, ...): "
-                              f"training from step {step} there would mix two runs; choose another --log_dir, "
-                              f"or delete them to branch off")
-
-
-def room_problem(directory, states):
-    """Why directory's disk lacks room for the tensors in states (with a margin), or None."""
-    need = 1.1 * sum(x.numel() * x.element_size() for x in tensors_in(states)) + (1 << 20)
-    free = shutil.disk_usage(directory).free
-    return f"{free / 1e9:.2f} GB free, about {need / 1e9:.2f} GB needed" if free < need else None
-
-
-def tensors_in(obj):
-    """The tensors in a nest of dicts, lists and tuples; of a sharded tensor, this rank's local piece."""
-    if isinstance(obj, DTensor):
-        yield obj.to_local()
-    elif isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
-
-
-def load_checkpoint(path, map_location="cpu"):
-    """Loads a checkpoint with weights_only=True: tensors and plain data only. A pickle that
-    would construct anything else, code included, is refused before any of it runs. Of a
-    sharded checkpoint, only train_state.pt: its tensors are read into a model by
-    restore_training or loading.load_model."""
-    if is_sharded_checkpoint(path):
-        check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
-        return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
-    return _load_plain(path, map_location)
-
-
-def _load_plain(path, map_location, require=("model", "config")):
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such checkpoint")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        unsafe = re.search(r"GLOBAL (\S+)", str(e))  # a pickle that would build an object: code can hide there
-        if unsafe:
-            raise CheckpointError(f"{path}: refused: not a plain-data checkpoint (it would construct "
-                                  f"{unsafe.group(1)}); nothing in it was run") from None
-        raise CheckpointError(f"{path}: not a checkpoint (no file that torch.save writes); nothing in it was run") from None
-    except Exception as e:  # truncated, overwritten, not a torch file at all
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {detail})") from None
-    if not isinstance(state, dict) or any(key not in state for key in require):
-        raise CheckpointError(f"{path}: not a checkpoint of this project (no {' or '.join(require)})")
-    problem = contents_problem(state)
-    if problem:
-        raise CheckpointError(f"{path}: not a checkpoint of this project ({problem})")
-    if "model" in state:
-        state["model"] = plain_state_dict(state["model"])
-    return state
-
-
-def contents_problem(state):
-    """Why a loaded checkpoint cannot be used or printed at a bounded cost, or None: it must be
-    tensors and plain data CHECKPOINT_DEPTH deep at most, its model a dict, its records dicts of
-    plain values."""
-    if not isinstance(state.get("model", {}), dict):
-        return f"its model is {brief(state['model'])}, not a state dict"
-    for field, depth in RECORD_DEPTHS.items():
-        if field in state and not isinstance(state[field], dict):
-            return f"its {field} is {brief(state[field])}, not a dict of values"
-        problem = structure_problem(state.get(field, {}), depth)
-        if problem:
-            return f"its {field} {problem}"
-    problem = structure_problem(state, CHECKPOINT_DEPTH, leaves=(torch.Tensor, *PLAIN_TYPES))
-    return f"it {problem}" if problem else None
-
-
-def latest_checkpoint(log_dir, map_location="cpu", before=None):
-    """(path, state) of the newest checkpoint in log_dir (of a step before `before`, if given) that
-    loads, or None if log_dir holds no checkpoint. A damaged newer one (a bad disk, a hand edit) is
-    skipped with a warning; if every one is damaged, CheckpointError: starting again from step 0
-    would overwrite the run they hold."""
-    every = list_checkpoints(log_dir)
-    paths = [p for p in every if before is None or checkpoint_step(p) < before]
-    problems = []
-    for path in reversed(paths):
-        try:
-            state = load_checkpoint(path, map_location)
-        except CheckpointError as e:
-            problems.append(e)
-            continue
-        for problem in problems:
-            print(f"warning: skipping {problem}", file=sys.stderr)
-        return path, state
-    if every:
-        names = ", ".join(os.path.basename(p) for p in every)
-        raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "
-                              f"--resume none, which moves them aside")
-    return None
-
-
-def prune_checkpoints(log_dir, keep_last):
-    """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all), and what saves
-    that were killed left behind."""
-    remove_unfinished(log_dir)
-    if keep_last > 0:
-        for path in list_checkpoints(log_dir)[:-keep_last]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def remove_unfinished(log_dir):
-    """Removes the temporary files and .partial directories of saves that a SIGKILL or a power cut
-    ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
-    for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
-        if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def model_of(path, config, dropout=None, **options):
-    """A GPT of a checkpoint's config (GPTConfig's fields as a dict; one without dropout, older,
-    has none), or a CheckpointError; dropout, if given, instead of the recorded one; options: how
-    it runs, as GPT's."""
-    try:
-        model_config = GPTConfig(**model_fields(path, config))
-        return GPT(model_config if dropout is None else replace(model_config, dropout=dropout), **options)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
-
-
-def model_fields(path, config):
-    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold only
-    GPTConfig's fields: another is a CheckpointError, named within bounds."""
-    unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
-    if unknown is not None:
-        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
-                              f"which GPTConfig lacks)")
-    return config
-
-
-# ----------------------------------------------------------------------------- a run's checkpoints
-
-class Checkpointer:
-    """When and how a run saves and resumes (as torchtitan's CheckpointManager): every interval
-    steps and at the end, only finite weights, only where every rank's disk has room, one file
-    from rank 0 or (sharded) storage files from every rank, in the background with async_save,
-    the oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
-
-    def __init__(self, log_dir, interval, keep_last, sharded=False, async_save=False, log=print):
-        self.log_dir, self.interval, self.keep_last = log_dir, interval, keep_last
-        self.sharded, self.async_save, self.log = sharded, async_save, log
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.pending = None  # (path, future) of a sharded checkpoint still being written
-
-    def due(self, step, start_step, last_step):
-        """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
-        return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
-
-    def save(self, step, trainable, train_loader, flags):
-        """Saves trainable and the loader at step, on every rank at once: a refusal (weights
-        that are not finite) then stops every rank, none left waiting at the next collective.
-        An interval of -1 saves nothing."""
-        if self.interval < 0:
-            return
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
-        finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
-        agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
-        rng = every_rank(random_state())  # each rank's dropout masks resume as its own
-        if self.sharded:
-            self._save_dcp(step, trainable, train_loader, flags, rng)
-        elif self.rank == 0:
-            path = checkpoint_path(self.log_dir, step)
-            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
-                                        flags, rng)
-            if save_checkpoint(path, state):
-                prune_checkpoints(self.log_dir, self.keep_last)
-                self.log(f"saved {path}")
-
-    def _save_dcp(self, step, trainable, train_loader, flags, rng):
-        self.wait()  # one checkpoint at a time
-        path = checkpoint_path(self.log_dir, step, sharded=True)
-        state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
-        short = [why for why in every_rank(room_problem(self.log_dir, state_dicts)) if why]
-        if short:
-            print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
-            return
-        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags, rng)
-        try:
-            future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
-        except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
-            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
-            return
-        self.pending = (path, future)
-        if future is None:
-            self.wait()
-
-    def wait(self):
-        """Returns once the checkpoint being written, if any, is complete and in place."""
-        if self.pending is None:
-            return
-        (path, future), self.pending = self.pending, None
-        try:
-            if future is not None:
-                future.result()
-                if dist.is_initialized():
-                    dist.barrier()  # rank 0 has renamed it into place
-        except (OSError, CheckpointException) as e:
-            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
-            return
-        if self.rank == 0:
-            prune_checkpoints(self.log_dir, self.keep_last)
-        self.log(f"saved {path}")
-
-    def restore(self, resume, trainable, train_loader, max_steps, flags=None):
-        """Restores the checkpoint resume names ("auto", "none" or a path) into trainable and the
-        loader, under this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs
-        those that differ from the checkpoint's record in one line. Returns the step to start from.
-        Every rank reads the checkpoint itself, so all must find the same one: on several nodes,
-        log_dir must be shared storage. Under "auto", a sharded checkpoint whose storage files
-        cannot be read (damage shows only then) is passed over for the next older one, which
-        overwrites whatever the failed restore had loaded."""
-        found = find_resume(resume, self.log_dir)
-        while True:
-            steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
-            if len(set(steps)) > 1:
-                raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
-                               f"on several nodes, --log_dir must be a directory they all share")
-            if found is None:
-                return 0
-            path, state = found
-            try:
-                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler,
-                                        train_loader, self.log)
-                break
-            except UnreadableStorage as e:
-                if resume != "auto":
-                    raise
-                self.log(f"warning: skipping {e}")
-                found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
-        self.log(f"resuming from {path} at step {step}")
-        changed = changed_hyperparameters(state.get("args"), flags or {})
-        if changed:
-            self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
-        if resume != "auto" and step < max_steps:
-            check_no_later_checkpoints(self.log_dir, step)
-        return step
 
 
 def main(argv=None):
