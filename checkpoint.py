@@ -573,6 +573,10 @@ class Checkpointer:
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
         self.log(f"resuming from {path} at step {step}")
+        saved_batch = state["args"].get("micro_batch_size") if isinstance(state.get("args"), dict) else None
+        if isinstance(saved_batch, int) and saved_batch != train_loader.B:  # -B auto on another GPU, or another -B
+            self.log(f"note: micro-batch {train_loader.B}, where the checkpoint's run took {saved_batch}: "
+                      f"the same tokens per optimizer step, in other micro-steps")
         if resume != "auto" and step < max_steps:
             check_no_later_checkpoints(self.log_dir, step)
         return step

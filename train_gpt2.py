@@ -106,9 +106,6 @@ def setup(cfg):
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp)) if cfg.init_from == "scratch" else None
     agree(unfit and f"{unfit} (see --plan)")
-    batch = cfg.batch
-    log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
-        f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
 
     # log_dir: made, claimed against a second run, and tidied.
     on_every_rank(logdir.make_log_dir, cfg.log_dir)
@@ -135,8 +132,15 @@ def setup(cfg):
     else:
         raw_model = GPT(cfg.model, **options).to(device)
     model = raw_model.config
-    if batch.seq_len > model.block_size:
-        raise RunError(f"--seq_len {batch.seq_len} is longer than the model's block_size {model.block_size}")
+    if cfg.batch.seq_len > model.block_size:
+        raise RunError(f"--seq_len {cfg.batch.seq_len} is longer than the model's block_size {model.block_size}")
+    device_type = device.split(":")[0]
+    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
+    dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    cfg = memory.resolve_micro_batch(cfg, model, device, world_size, dtype, compile_mode is not None, log)
+    batch = cfg.batch
+    log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
+        f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
 
     # Data: every shard checked now, naming the shard, not hours in; and what the run can evaluate.
     on_every_rank(shard_demo_corpus, cfg.data_dir, log, rank == 0)
@@ -165,10 +169,7 @@ def setup(cfg):
     hellaswag_examples = load_hellaswag(cfg, local_rank, model, log)
 
     # The optimizer, then the state to resume from, if any.
-    device_type = device.split(":")[0]
-    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    step_config = StepConfig(pick_dtype(cfg.runtime.dtype, device_type), batch.grad_accum_steps(world_size),
-                             cfg.optimizer, cfg.scale, compile_mode)
+    step_config = StepConfig(dtype, batch.grad_accum_steps(world_size), cfg.optimizer, cfg.scale, compile_mode)
     trainable = build_trainable(raw_model, device, step_config, init=init)
     if cfg.optimizer.name == "muon":
         log(describe(trainable.optimizer, cfg.optimizer))
@@ -207,6 +208,7 @@ def shard_demo_corpus(data_dir, log, enabled):
 
 def train(cfg):
     t_start = time.perf_counter()
+    auto_batch = cfg.batch.micro_batch_size == "auto"
     run = setup(cfg)
     cfg, trainable, log = run.cfg, run.trainable, run.log
     faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model)
@@ -217,7 +219,7 @@ def train(cfg):
         while True:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
             if cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step) and step > 0:
@@ -227,9 +229,10 @@ def train(cfg):
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(trainable, run.train_loader, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
+            result = memory.retry_out_of_memory(lambda: train_step(
+                trainable, run.train_loader, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested), run, step, auto_batch)
             if result is None:
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
@@ -310,31 +313,45 @@ class StepResult:
     skipped: bool  # a non-finite loss or gradient: the weights did not change
 
 
-def train_step(trainable, loader, lr, stop_requested=lambda: False):
+def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.any_rank(False, *flags)):
     """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
     the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
     optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
-    finished, so the caller's clock times the whole step. Returns None, the weights and optimizer
-    untouched and the loader back at the step's start, if stop_requested() is true before a
-    micro-step: a stop never waits for a long step (torchrun SIGKILLs 30 s after a SIGTERM)."""
+    finished, so the caller's clock times the whole step. After each forward pass the ranks agree
+    (stop_requested(out_of_memory) -> [stop, out_of_memory], each true if on any rank): a stop returns
+    None, an out-of-memory error raises memory.StepOutOfMemory, the weights and optimizer untouched
+    and the loader back at the step's start. A stop never waits for a long step (torchrun SIGKILLs)."""
     ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     trainable.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=trainable.device)
     start = loader.state_dict()
+    out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
     for micro_step in range(trainable.config.grad_accum_steps):
-        if stop_requested():
-            loader.load_state_dict(start)
-            return None
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
         last = micro_step == trainable.config.grad_accum_steps - 1
-        with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
-            # [1]: no logits kept into the next micro-step
-            loss = trainable.model(x, y, chunked_loss=bool(trainable.config.scale.chunked_loss))[1]
+        try:
+            with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
+                loss = trainable.model(x, y, chunked_loss=bool(trainable.config.scale.chunked_loss))[1]  # no logits kept
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
+        stop, out_of_memory = stop_requested(out_of_memory)
+        if stop or out_of_memory:
+            loader.load_state_dict(start)
+            if out_of_memory:
+                raise memory.StepOutOfMemory
+            return None
         loss = loss / trainable.config.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
-        trainable.scaler.scale(loss).backward()
+        try:
+            trainable.scaler.scale(loss).backward()
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+    if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
+        loader.load_state_dict(start)
+        raise memory.StepOutOfMemory
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
     # rank's was) and norm (of gradients already all-reduced), so all decide alike.
     if dist.is_initialized():
