@@ -19,7 +19,7 @@ from distributed import RunError, agree, every_rank
 from cli import check_torch, preset_names, preset_path, read_config
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
-from train_config import AUTO_MAX_MICRO_BATCH, ScaleConfig
+from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
 
@@ -314,10 +314,10 @@ def print_plan(cfg):
 
 
 def largest_batch(config, gib, scale, world_size=1):
-    """The largest micro-batch of 1024 positions whose plan fits in 90% of gib (the rest: CUDA's
-    context and the allocator's fragmentation), or 0."""
+    """The largest micro-batch of 1024 positions whose plan, compiled in bfloat16, fits a GPU of gib
+    GiB (fits), or 0."""
     batch = 0
-    while batch < 512 and plan(config, batch + 1, 1024, scale, world_size).total <= 0.9 * gib * GiB:
+    while batch < 512 and fits(plan(config, batch + 1, 1024, scale, world_size, compiled=True), gib * GiB):
         batch += 1
     return batch
 
@@ -331,18 +331,22 @@ def preset_model(name):
 
 
 def presets_table(gpus=(24, 40, 80), world_size=8):
-    """Markdown: for each preset, the largest micro-batch per GPU under DDP and FSDP, without and
-    with full recompute, in bfloat16, with the preset's loss (chunked from gpt2-large on)."""
+    """Markdown: for each preset, what -B auto picks on one GPU, and the largest micro-batch per GPU
+    under DDP and FSDP, without and with full recompute, compiled in bfloat16, with the preset's
+    loss (chunked from gpt2-large on) and batch."""
     ways = [("DDP", dict(), 1), ("DDP, recompute full", dict(recompute="full"), 1),
             (f"FSDP ×{world_size}", dict(fsdp=True), world_size),
             (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, recompute="full"), world_size)]
-    lines = ["| model | params | GPU | " + " | ".join(name for name, _, _ in ways) + " |",
-             "|---" * (3 + len(ways)) + "|"]
+    lines = ["| model | params | GPU | `-B auto` | " + " | ".join(name for name, _, _ in ways) + " |",
+             "|---" * (4 + len(ways)) + "|"]
     presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
     for name, (config, chunked_loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
+        total = read_config(preset_path(name)).get("total_batch_size", BatchConfig().total_batch_size)
+        run = TrainConfig(model=config, batch=BatchConfig(total), scale=ScaleConfig(chunked_loss=chunked_loss))
         for gib in gpus:
-            batches = [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
-                       for _, levers, ranks in ways]
+            batches = [pick_micro_batch(run, 1, gib * GiB, 2, compiled=True)[0] or "—"]
+            batches += [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
+                        for _, levers, ranks in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)
 

@@ -134,7 +134,8 @@ PAST_A_FLOAT = "error: a GPT of these sizes needs more than 1.8e+308 bytes: too 
 
 @pytest.mark.parametrize("flags, expected", [
     (["--n_embd", 10**400, "--n_head", 1], PAST_A_FLOAT), (["--n_layer", 10**400], PAST_A_FLOAT),
-    (["--total_batch_size", 10**400 + 1], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*world_size")])
+    (["--total_batch_size", 10**400 + 1], f"error: -B auto: --total_batch_size {10**400 + 1} is not a multiple of T*"),
+    (["--total_batch_size", 10**400 + 1, "-B", 4], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*")])
 def test_a_plan_past_a_floats_range_is_one_line(capsys, flags, expected):
     """Not an OverflowError from dividing such sizes as floats."""
     assert exit_message(capsys, train_gpt2.main, "--plan", *flags).startswith(expected)
@@ -173,7 +174,9 @@ def test_sharding_and_recompute_shrink_the_plan():
     chunked = memory.plan(config, 8, 1024, ScaleConfig(chunked_loss=True))
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
-    assert ddp.logits == 2 * (chunked.logits - memory.head_gradient_bytes(config))  # 8x1024 positions, against a chunk of 4096
+    assert chunked.logits - memory.head_gradient_bytes(config) < ddp.logits / 2  # a chunk of 4096 positions, not 8x1024
+    compiled = memory.plan(config, 8, 1024, ScaleConfig(), compiled=True)
+    assert compiled.logits == ddp.logits / 6 and compiled.activations == ddp.activations  # no float32 copy compiled
 
 
 def test_the_docs_table_is_what_memory_py_prints():
