@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from devices import auto_device_type, device_memory, pick_dtype, resolve_compile
 from distributed import RunError, agree, every_rank
@@ -257,6 +258,9 @@ def retry_out_of_memory(run_step, run, step, auto):
                                   trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
                                   trainable.raw_model.config)
             raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
+        ddp = getattr(trainable.model, "_orig_mod", trainable.model)
+        if isinstance(ddp, DistributedDataParallel):  # its last forward readied an all-reduce no backward will start
+            ddp.reducer._reset_state()
         trainable.config = replace(trainable.config, grad_accum_steps=2 * trainable.config.grad_accum_steps)
         run.train_loader.resize(batch // 2)
         run.cfg = replace(run.cfg, batch=replace(run.cfg.batch, micro_batch_size=batch // 2))
