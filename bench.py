@@ -420,7 +420,7 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
                               compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
-        except torch.cuda.OutOfMemoryError:  # an answer too: this size does not train here
+        except (torch.cuda.OutOfMemoryError, memory.StepOutOfMemory):  # an answer too: this size does not train here
             return {"out_of_memory": True}
         except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
             first_line = next(iter(str(e).strip().splitlines()), "")

@@ -147,6 +147,10 @@ class Checkpointer:
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
         self.log(f"resuming from {path} at step {step}")
+        saved_batch = state["args"].get("micro_batch_size") if isinstance(state.get("args"), dict) else None
+        if isinstance(saved_batch, int) and saved_batch != train_loader.B:  # -B auto on another GPU, or another -B
+            self.log(f"note: micro-batch {train_loader.B}, where the checkpoint's run took {saved_batch}: "
+                     f"the same tokens per optimizer step, in other micro-steps")
         changed = changed_hyperparameters(state.get("args"), flags or {})
         if changed:
             self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")

@@ -195,6 +195,12 @@ def value_problem(action, value):
         expected = (int, float) if action.type is float else int
     elif action.type is None and action.nargs is None and isinstance(action, argparse._StoreAction):
         expected = str
+    elif isinstance(action, argparse._StoreAction) and type(value) in (int, str):  # a type of its own, such as -B's
+        try:
+            action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            return f"must be what --{action.dest} takes: {e}"
+        return None
     else:
         return "cannot be set in a config file"
     if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):

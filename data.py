@@ -147,14 +147,25 @@ class ShardLoader:
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.seed, self.shuffle, self.vocab_size = seed, shuffle, vocab_size
         self.n_tokens = sum(s.n_tokens for s in self.shards)
-        self.n_windows = (self.n_tokens - 1) // (B * T)
-        self.batches_per_epoch = self.n_windows // world_size
+        self._cut_windows()
         if self.batches_per_epoch == 0:
             more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
             raise ShardError(f"{paths[0]}{more}: {self.n_tokens} tokens, too few for one "
                              f"batch of B*T = {B * T} tokens on each of {world_size} rank(s)")
         self.epoch, self.index = 0, 0
         self._plan_epoch()
+
+    def _cut_windows(self):
+        self.n_windows = (self.n_tokens - 1) // (self.B * self.T)
+        self.batches_per_epoch = self.n_windows // self.world_size
+
+    def resize(self, B):
+        """Batches of B sequences from here on, from the same position in tokens (load_state_dict):
+        in an epoch in file order, B halved reads the same tokens in twice the batches."""
+        state = self.state_dict()
+        self.B = B
+        self._cut_windows()
+        self.load_state_dict(state)
 
     def _plan_epoch(self):
         """Shard order, where each shard starts in the stream, and the order of the windows."""

@@ -95,6 +95,15 @@ def on_every_rank(fn, *args):
     return result
 
 
+def any_rank(*flags):
+    """For each of flags, whether it is true on any rank: one all-reduce, on the host (the
+    "signals" group), so asking never waits for the GPU's queue."""
+    found = torch.tensor([float(flag) for flag in flags])
+    if dist.is_initialized():
+        dist.all_reduce(found, group=host_group("signals"))
+    return [bool(value) for value in found.tolist()]
+
+
 def agree(error):
     """Raises RunError on every rank if any rank found an error (a message; None for none):
     a refusal taken on one rank alone would leave the others waiting at the next collective."""
@@ -111,17 +120,15 @@ class StopSignal:
 
     def __enter__(self):
         self.received = None
-        self.group = host_group("signals")
+        host_group("signals")  # made here, where every rank is, not at a first ask
         self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
         return self
 
-    def requested(self):
-        """Whether any rank has been asked to stop. Every rank calls it at the same points and
-        gets the same answer: the signal reaches the ranks at different moments."""
-        asked = torch.tensor(float(self.received is not None))
-        if self.group is not None:
-            dist.all_reduce(asked, group=self.group)
-        return bool(asked)
+    def requested(self, *flags):
+        """[whether any rank has been asked to stop, then whether each of flags is true on any
+        rank]: one all-reduce (any_rank). Every rank calls it at the same points and gets the same
+        answers: the signal reaches the ranks at different moments."""
+        return any_rank(self.received is not None, *flags)
 
     def __exit__(self, *exc):
         for sig, handler in zip(self.SIGNALS, self.previous):

@@ -1,11 +1,14 @@
 """Faults injected into a training run on purpose (train_gpt2.py --fault), to test that runs
-survive them: a non-finite loss, a SIGTERM, a SIGKILL, at a given step, on one rank or all.
-The training step knows nothing of them: the loss is poisoned by a hook on the model's forward."""
+survive them: a non-finite loss, an out-of-memory error, a SIGTERM, a SIGKILL, at a given step,
+on one rank or all. The training step knows nothing of them: the loss is poisoned, and the
+out-of-memory error raised, by hooks on the model's forward."""
 import argparse
 import os
 import signal
 
-KINDS = ("nan", "sigterm", "sigkill")
+import torch
+
+KINDS = ("nan", "oom", "sigterm", "sigkill")
 
 
 def parse_fault(spec):
@@ -22,16 +25,18 @@ class Faults:
 
     def __init__(self, specs, rank, model):
         self.at_step = {}
-        self.nan_now = False
+        self.nan_now = self.oom_now = False
         for kind, step, only_rank in specs or []:
             if only_rank is None or only_rank == rank:
                 self.at_step.setdefault(step, set()).add(kind)
         if any("nan" in kinds for kinds in self.at_step.values()):
             model.register_forward_hook(self.poison)
+        if any("oom" in kinds for kinds in self.at_step.values()):
+            model.register_forward_pre_hook(self.out_of_memory)
 
     def before_step(self, step):
         kinds = self.at_step.get(step, ())
-        self.nan_now = "nan" in kinds
+        self.nan_now, self.oom_now = "nan" in kinds, "oom" in kinds
         if "sigterm" in kinds:
             os.kill(os.getpid(), signal.SIGTERM)
         # Only in torchrun's first attempt, so that a restarted worker gets past this step.
@@ -44,3 +49,10 @@ class Faults:
         if self.nan_now and model.training and loss is not None:
             return logits, loss * float("nan")
         return output
+
+    def out_of_memory(self, model, inputs):
+        """A forward pre-hook: the first training forward of an oom step raises what CUDA's allocator
+        raises when it runs out (the step's retry, at half the micro-batch, then runs)."""
+        if self.oom_now and model.training:
+            self.oom_now = False
+            raise torch.OutOfMemoryError("out of memory (injected by --fault oom)")

@@ -58,6 +58,19 @@ def load_model(name_or_path, map_location="cpu", dropout=None, **options):
     return model
 
 
+def check_run_sources(init_from, resume):
+    """The trainer's --init_from (check_source's checks) and --resume (a path, unless auto or none),
+    checked before anything is written or downloaded: a CheckpointError naming the flag."""
+    if resume not in ("auto", "none") and not os.path.exists(resume):
+        raise CheckpointError(f"--resume {resume}: no such checkpoint")
+    if init_from == "scratch":
+        return
+    try:
+        check_source(init_from)
+    except CheckpointError as e:
+        raise CheckpointError(f"--init_from: {e}") from None
+
+
 def check_source(name):
     """Raises a one-line CheckpointError, at once and before anything is read or downloaded, for a
     name that cannot be a model load_model takes: a path that is missing or not a file or directory,

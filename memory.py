@@ -14,16 +14,18 @@ the tensors a tiny model saves.
 """
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from devices import auto_device_type, device_memory, pick_dtype
+from devices import auto_device_type, device_memory, pick_dtype, resolve_compile
+from distributed import RunError, agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
 from fused_loss import CHUNK as FUSED_CHUNK
 from model import LOSS_CHUNK, GPTConfig
 from tokenizer import PADDED_VOCAB
-from train_config import ScaleConfig
+from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
 
@@ -95,16 +97,23 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
     return batch * seq_len * (blocks + top)
 
 
-def logits_bytes(config, batch, seq_len, chunked_loss, a=2, fused_loss=False):
-    """The loss's peak: logits in the autocast dtype, their float32 log-softmax and its gradient,
-    for all positions at once; or, chunked, for one chunk of them, plus what the chunked loss keeps
-    for the backward beyond the head's input (head_gradient_bytes); or, fused (fused_loss.py), one
-    chunk's logits in the autocast dtype alone, their gradient written over them, plus the same."""
+def logits_bytes(config, batch, seq_len, chunked_loss, a=2, compiled=False, fused_loss=False):
+    """The loss's peak, by what model.py's loss does with the (positions, vocab) logits:
+    - fused (fused_loss.py): one chunk's logits in the autocast dtype alone, their gradient written
+      over them, plus the head's float32 gradient it keeps for the backward (head_gradient_bytes);
+    - chunked: one chunk's logits in the autocast dtype, their float32 copy and its gradient, plus
+      the same;
+    - eager: three float32 tensors at the backward's peak (the log-softmax, the gradient it gets
+      and the one it passes back), whatever the dtype;
+    - compiled: the logits in the autocast dtype alone. The compiled loss fuses the mask, the
+      float32 cast and the softmax, keeping no float32 copy; with this term the plan's total equals
+      the one peak measured compiled (docs/scaling.md), so it carries whatever the activation
+      term counts beyond what a compiled model keeps."""
     if fused_loss:
         return min(batch * seq_len, FUSED_CHUNK) * config.vocab_size * a + head_gradient_bytes(config)
     if chunked_loss:
         return min(batch * seq_len, LOSS_CHUNK) * config.vocab_size * (a + 8) + head_gradient_bytes(config)
-    return batch * seq_len * config.vocab_size * (a + 8)
+    return batch * seq_len * config.vocab_size * (a if compiled else 12)
 
 
 def head_gradient_bytes(config):
@@ -113,11 +122,11 @@ def head_gradient_bytes(config):
     return 4 * config.vocab_size * config.n_embd
 
 
-def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=2, optimizer="adamw"):
+def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=2, optimizer="adamw", compiled=False):
     """The memory one GPU needs for a training step of a GPT of config, batch sequences of seq_len
     a micro-step, with scale's levers (FSDP over world_size ranks, recompute, the chunked loss),
-    split as Plan's fields. ValueError for sizes whose total is past a float's range: no figure in
-    GiB can be printed for them."""
+    compiled or eager, split as Plan's fields. ValueError for sizes whose total is past a float's
+    range: no figure in GiB can be printed for them."""
     P = n_params(config)
     state = optimizer_bytes(config, optimizer)
     if scale.fsdp:
@@ -132,7 +141,7 @@ def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
                     activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes, scale.fused_loss))
+                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes, compiled, scale.fused_loss))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -153,37 +162,178 @@ def fit_problem(config, device, world_size=1, fsdp=False):
             f"gradients and AdamW state; {device} has {have / GiB:,.0f} GiB")
 
 
+# Of a GPU's memory (its free memory, for -B auto), the most a plan may fill: the rest is for the
+# allocator's fragmentation and, on a whole card, CUDA's context.
+HEADROOM = 0.9
+
+
+class StepOutOfMemory(Exception):
+    """A training step that ran out of memory on some rank: every rank dropped its partial work."""
+
+
+def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, model=None, scale=None):
+    """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, for model (default: cfg.model)
+    with scale (default: cfg.scale)."""
+    return plan(model or cfg.model, micro_batch, cfg.batch.seq_len, scale or cfg.scale, world_size, dtype_bytes,
+                cfg.optimizer.name, compiled)
+
+
+def fits(estimate, memory_bytes):
+    return estimate.total <= HEADROOM * memory_bytes
+
+
+def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None):
+    """-B auto on memory_bytes: the largest of BatchConfig.auto_micro_batches whose plan fits in
+    HEADROOM of it, and that plan; (None, None) when none does."""
+    for batch in cfg.batch.auto_micro_batches(world_size):
+        estimate = run_plan(cfg, batch, world_size, dtype_bytes, compiled, model)
+        if fits(estimate, memory_bytes):
+            return batch, estimate
+    return None, None
+
+
+def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None):
+    """Why the run of cfg does not fit memory_bytes even at one sequence, and what the plan says
+    --recompute full, or --fsdp 1 with it over enough GPUs, would take: one line."""
+    model = model or cfg.model
+
+    def need(scale, ranks):
+        return run_plan(cfg, 1, ranks, dtype_bytes, compiled, model, scale)
+    recompute = replace(cfg.scale, recompute="full")
+    line = (f"a GPT of {n_params(model):,} parameters needs {need(cfg.scale, world_size).total / GiB:.1f} GiB per GPU "
+            f"even at micro-batch 1, over {HEADROOM:.0%} of {memory_bytes / GiB:.1f} GiB")
+    if fits(need(recompute, world_size), memory_bytes):
+        return f"{line}: --recompute full plans {need(recompute, world_size).total / GiB:.1f} GiB"
+    sharded = replace(recompute, fsdp=1)
+    gpus = next((n for n in (2**k for k in range(13)) if fits(need(sharded, n), memory_bytes)), None)
+    if gpus is None:
+        return f"{line}, and over any number of GPUs up to {2**12} with --fsdp 1 --recompute full"
+    return (f"{line}: --fsdp 1 --recompute full over {gpus} GPUs plans {need(sharded, gpus).total / GiB:.1f} GiB "
+            f"each (torchrun --nproc_per_node={gpus})")
+
+
+def free_memory(device):
+    """Bytes free on a CUDA device, with what this process has allocated there already counted as
+    free (the model, for a plan that counts it); None where it cannot be read: a CPU, MPS, a failing driver."""
+    if not str(device).startswith("cuda"):
+        return None
+    try:
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+    except RuntimeError:
+        return None
+
+
+def resolve_micro_batch(cfg, model, device, world_size, dtype, compiled, log):
+    """cfg with -B auto settled for a GPT of model on device, the same on every rank (the smallest
+    any rank picked), and a line saying so; cfg itself under -B N. RunError on every rank where the
+    model does not fit at one sequence."""
+    batch = cfg.batch
+    if batch.micro_batch_size != "auto":
+        return cfg
+    free = free_memory(device)
+    ceiling = batch.auto_micro_batches(world_size)[0]
+    error = None
+    if free is None:
+        picked, why = ceiling, (f"the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step: "
+                                + ("the GPU's free memory cannot be read" if device.startswith("cuda")
+                                   else f"{device.split(':')[0]} memory is not planned"))
+    else:
+        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, model)
+        if picked is None:
+            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, model)}"
+    agree(error)
+    picked = min(every_rank(picked))
+    if free is not None:
+        estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, model)
+        why = f"plan {estimate.total / GiB:.1f} of {free / GiB:.1f} GiB free"
+    cfg = replace(cfg, batch=replace(batch, micro_batch_size=picked))
+    log(f"micro-batch auto: {picked} ({why}), {cfg.batch.grad_accum_steps(world_size)} micro-steps per step")
+    return cfg
+
+
+def retry_out_of_memory(run_step, run, step, auto):
+    """run_step()'s result. Under -B auto, each time the step runs out of memory (StepOutOfMemory)
+    it runs again at half the micro-batch and twice the micro-steps: the same tokens
+    (ShardLoader.resize), the same optimizer step. RunError where it cannot: under -B N, or below
+    one sequence. run: train_gpt2.Run, whose cfg, Trainable and loader take the new micro-batch."""
+    while True:
+        try:
+            return run_step()
+        except StepOutOfMemory:
+            pass
+        trainable, batch = run.trainable, run.train_loader.B
+        if not auto:
+            raise RunError(f"out of memory at step {step} at -B {batch}: try -B auto, or a smaller -B")
+        if batch == 1:
+            advice = unfit_advice(run.cfg, run.world_size, device_memory(trainable.device),
+                                  trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
+                                  trainable.raw_model.config)
+            raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
+        ddp = getattr(trainable.model, "_orig_mod", trainable.model)
+        if isinstance(ddp, DistributedDataParallel):  # its last forward readied an all-reduce no backward will start
+            ddp.reducer._reset_state()
+        trainable.config = replace(trainable.config, grad_accum_steps=2 * trainable.config.grad_accum_steps)
+        run.train_loader.resize(batch // 2)
+        run.cfg = replace(run.cfg, batch=replace(run.cfg.batch, micro_batch_size=batch // 2))
+        if trainable.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
+        run.log(f"out of memory at step {step}: micro-batch {batch} -> {batch // 2}, "
+                f"{trainable.config.grad_accum_steps} micro-steps per step")
+
+
 def print_plan(cfg):
     """train_gpt2.py --plan: the memory per device that plan() estimates for the run of cfg (a
-    TrainConfig), on the device and in the dtype it would take (a GPU this machine lacks: bfloat16)."""
+    TrainConfig), on the device and in the dtype it would take (a GPU this machine lacks, or one of
+    --gpu_memory GiB: bfloat16), compiled where the run would be; under -B auto, at the micro-batch
+    it would pick on that GPU (--gpu_memory's, else this machine's)."""
     world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    device_type = auto_device_type() if cfg.runtime.device == "auto" else cfg.runtime.device.split(":")[0]
-    if device_type == "cuda" and cfg.runtime.dtype == "auto" and not torch.cuda.is_available():
+    device_type = "cuda" if cfg.gpu_memory else auto_device_type() if cfg.runtime.device == "auto" else \
+        cfg.runtime.device.split(":")[0]
+    if device_type == "cuda" and cfg.runtime.dtype == "auto" and (cfg.gpu_memory or not torch.cuda.is_available()):
         dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
     else:
         dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    compiled = resolve_compile(cfg.runtime.compile, device_type, log=lambda message: None)
+    card = cfg.gpu_memory * GiB if cfg.gpu_memory else free_memory("cuda") if device_type == "cuda" and \
+        torch.cuda.is_available() else None
     batch, scale = cfg.batch, cfg.scale
     try:
         if cfg.world_size_problem(world_size):
             raise ValueError(cfg.world_size_problem(world_size))
-        estimate = plan(cfg.model, batch.micro_batch_size, batch.seq_len, scale, world_size, dtype.itemsize,
-                        cfg.optimizer.name)
+        if batch.micro_batch_size != "auto":
+            micro_batch, choice = batch.micro_batch_size, None
+        elif card is None:
+            micro_batch = batch.auto_micro_batches(world_size)[0]
+            choice = (f"-B auto: {micro_batch}, the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step "
+                      f"(no GPU memory to fit it in: --gpu_memory GIB plans for a card)")
+        else:
+            micro_batch, _ = pick_micro_batch(cfg, world_size, card, dtype.itemsize, compiled)
+            if micro_batch is None:
+                raise ValueError(f"-B auto: {unfit_advice(cfg, world_size, card, dtype.itemsize, compiled)}")
+            choice = (f"-B auto: {micro_batch} on {card / GiB:.1f} GiB{'' if cfg.gpu_memory else ' free'}, "
+                      f"{batch.total_batch_size // (micro_batch * batch.seq_len * world_size)} micro-steps per step")
+        estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)
     except ValueError as e:
         sys.exit(f"error: {e}")
     precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
     print(f"{n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
           f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
-          f"micro-batch {batch.micro_batch_size}x{batch.seq_len}, chunked loss {scale.chunked_loss}, "
-          f"{'fused loss 1, ' if scale.fused_loss else ''}"
-          f"optimizer {cfg.optimizer.name}; per {'GPU' if device_type == 'cuda' else 'device'}:")
+          f"{'compiled' if compiled else 'eager'}, micro-batch {micro_batch}x{batch.seq_len}, chunked loss "
+          f"{scale.chunked_loss}, {'fused loss 1, ' if scale.fused_loss else ''}optimizer {cfg.optimizer.name}; "
+          f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
+    if choice:
+        print(choice)
+    elif cfg.gpu_memory:
+        print(f"-B {micro_batch} {'fits' if fits(estimate, card) else 'does not fit'} in {HEADROOM:.0%} of "
+              f"{cfg.gpu_memory:g} GiB" + ("" if fits(estimate, card) else ": try -B auto"))
 
 
 def largest_batch(config, gib, scale, world_size=1):
-    """The largest micro-batch of 1024 positions whose plan fits in 90% of gib (the rest: CUDA's
-    context and the allocator's fragmentation), or 0."""
+    """The largest micro-batch of 1024 positions whose plan, compiled in bfloat16, fits a GPU of gib
+    GiB (fits), or 0."""
     batch = 0
-    while batch < 512 and plan(config, batch + 1, 1024, scale, world_size).total <= 0.9 * gib * GiB:
+    while batch < 512 and fits(plan(config, batch + 1, 1024, scale, world_size, compiled=True), gib * GiB):
         batch += 1
     return batch
 
@@ -198,18 +348,22 @@ def preset_model(name):
 
 
 def presets_table(gpus=(24, 40, 80), world_size=8):
-    """Markdown: for each preset, the largest micro-batch per GPU under DDP and FSDP, without and
-    with full recompute, in bfloat16, with the preset's loss (chunked from gpt2-large on)."""
+    """Markdown: for each preset, what -B auto picks on one GPU, and the largest micro-batch per GPU
+    under DDP and FSDP, without and with full recompute, compiled in bfloat16, with the preset's
+    loss (chunked from gpt2-large on) and batch."""
     ways = [("DDP", dict(), 1), ("DDP, recompute full", dict(recompute="full"), 1),
             (f"FSDP ×{world_size}", dict(fsdp=True), world_size),
             (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, recompute="full"), world_size)]
-    lines = ["| model | params | GPU | " + " | ".join(name for name, _, _ in ways) + " |",
-             "|---" * (3 + len(ways)) + "|"]
+    lines = ["| model | params | GPU | `-B auto` | " + " | ".join(name for name, _, _ in ways) + " |",
+             "|---" * (4 + len(ways)) + "|"]
     presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
     for name, (config, chunked_loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
+        total = read_config(preset_path(name)).get("total_batch_size", BatchConfig().total_batch_size)
+        run = TrainConfig(model=config, batch=BatchConfig(total), scale=ScaleConfig(chunked_loss=chunked_loss))
         for gib in gpus:
-            batches = [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
-                       for _, levers, ranks in ways]
+            batches = [pick_micro_batch(run, 1, gib * GiB, 2, compiled=True)[0] or "—"]
+            batches += [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
+                        for _, levers, ranks in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ group of its part. A preset, a --config file and the flags override the defaults
 To add a setting, add a field here (or to GPTConfig or OptimizerConfig, which own theirs) with
 setting(default, help), and check it in __post_init__: the flag, --help, config files, the
 checkpoint's record of the run (flags()) and from_flags follow."""
+import argparse
 import math
 import types
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -19,17 +20,41 @@ from muon import OptimizerConfig
 from tokenizer import PADDED_VOCAB
 
 PRESETS = preset_names()
+AUTO_MAX_MICRO_BATCH = 64  # -B auto's ceiling: the 124M recipe's micro-batch (past it a GPU gains little)
+
+
+def parse_micro_batch(text):
+    """-B's type: a number of sequences, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of sequences nor auto") from None
 
 
 @dataclass(frozen=True)
 class BatchConfig:
     """The tokens of an optimizer step, and how each rank cuts them into micro-batches."""
     total_batch_size: int = setting(524288, "tokens per optimizer step, over all ranks")
-    micro_batch_size: int = setting(64, "sequences per forward pass per rank", short="-B")
+    micro_batch_size: int | str = setting("auto", f"sequences per forward pass per rank; auto: on a GPU the largest "
+                                                  f"power of two up to {AUTO_MAX_MICRO_BATCH} that the memory plan "
+                                                  f"fits in its free memory (halved again if a step runs out of "
+                                                  f"memory), elsewhere the largest up to {AUTO_MAX_MICRO_BATCH} that "
+                                                  f"divides the step", short="-B", type=parse_micro_batch,
+                                          metavar="N|auto")
     seq_len: int = setting(1024, "tokens per sequence", short="-T")
 
     def __post_init__(self):
-        check_positive(self, "total_batch_size", "micro_batch_size", "seq_len")
+        check_positive(self, "total_batch_size", "seq_len", *([] if self.micro_batch_size == "auto" else
+                                                              ["micro_batch_size"]))
+
+    def auto_micro_batches(self, world_size):
+        """-B auto's candidates, largest first: the powers of two up to AUTO_MAX_MICRO_BATCH that
+        divide the sequences a rank takes per optimizer step (none if T*world_size does not divide it)."""
+        sequences, rest = divmod(self.total_batch_size, self.seq_len * world_size)
+        return [] if rest else [2**k for k in reversed(range(AUTO_MAX_MICRO_BATCH.bit_length()))
+                                if 2**k <= AUTO_MAX_MICRO_BATCH and sequences % 2**k == 0]
 
     def tokens_per_pass(self, world_size):
         """Tokens of one micro-step: a micro-batch on every rank."""
@@ -166,6 +191,8 @@ class TrainConfig:
     plan: bool = setting(False, "print the estimated memory per GPU (or device) of this run, on the device and in the "
                                 "dtype it would take, then exit: no data, device or log_dir is touched")
     plan_world_size: int | None = setting(None, "the ranks --plan assumes (default: torchrun's, else 1)")
+    gpu_memory: float | None = setting(None, "with --plan: the GiB of the GPU to plan for, one this machine may lack "
+                                             "(-B auto picks for it)", metavar="GIB")
     # The recipe pads GPT-2's 50,257 token rows to 50,304, a multiple of 128, for faster matmuls.
     model: GPTConfig = field(default_factory=lambda: GPTConfig(vocab_size=PADDED_VOCAB))
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -179,6 +206,10 @@ class TrainConfig:
     def __post_init__(self):
         if self.plan_world_size is not None and self.plan_world_size < 1:  # 0 would read as torchrun's, or 1
             raise ValueError(f"--plan_world_size must be positive, not {self.plan_world_size}")
+        if self.gpu_memory is not None and not self.gpu_memory > 0:
+            raise ValueError(f"--gpu_memory must be positive, not {self.gpu_memory}")
+        if self.gpu_memory is not None and not self.plan:
+            raise ValueError("--gpu_memory plans for a GPU this run does not take: it needs --plan")
         if not self.schedule.max_steps and not self.eval.eval_interval:
             raise ValueError("--max_steps 0 only evaluates: it needs --eval_interval above 0")
         if self.batch.seq_len > self.model.block_size:
@@ -189,11 +220,16 @@ class TrainConfig:
     def world_size_problem(self, world_size):
         """Why this run cannot split its batch over world_size ranks, or None."""
         batch = self.batch
-        tokens_per_pass = batch.tokens_per_pass(world_size)
+        auto = batch.micro_batch_size == "auto"
+        tokens_per_pass = batch.seq_len * world_size if auto else batch.tokens_per_pass(world_size)
         if batch.total_batch_size % tokens_per_pass == 0:
             return None
         # Rounded as a fraction, not a float: a float overflows at absurd sizes.
         suggestion = max(1, round(Fraction(batch.total_batch_size, tokens_per_pass))) * tokens_per_pass
+        if auto:
+            return (f"-B auto: --total_batch_size {batch.total_batch_size} is not a multiple of T*world_size = "
+                    f"{batch.seq_len}*{world_size} = {tokens_per_pass}, so no micro-batch divides it; "
+                    f"try --total_batch_size {suggestion}")
         return (f"--total_batch_size {batch.total_batch_size} is not a multiple of B*T*world_size = "
                 f"{batch.micro_batch_size}*{batch.seq_len}*{world_size} = {tokens_per_pass}; "
                 f"try --total_batch_size {suggestion} or another -B")
@@ -270,7 +306,7 @@ def add_flag(parser, f, value):
     kind = f.type.__args__[0] if isinstance(f.type, types.UnionType) else f.type  # int | None: int
     if kind is bool:
         options["action"] = "store_true"
-    elif "action" not in options and kind in (int, float):
+    elif "action" not in options and "type" not in options and kind in (int, float):
         options["type"] = kind
     parser.add_argument(*names, f"--{flag_name(f)}", default=default, **options)
 

@@ -36,7 +36,7 @@ from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, every_rank, on_every_rank
 from faults import Faults
-from loading import check_source, load_model
+from loading import check_run_sources, load_model
 from logdir import MetricsLog
 from model import GPT
 from muon import OptimizerConfig, build_optimizer, describe, muon_lr
@@ -105,19 +105,9 @@ def setup(cfg):
         raise RunError(cfg.world_size_problem(world_size))
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
-    resume = cfg.checkpoints.resume  # the paths given are checked before anything is downloaded
-    if resume not in ("auto", "none") and not os.path.exists(resume):
-        raise RunError(f"--resume {resume}: no such checkpoint")
-    if cfg.init_from != "scratch":
-        try:
-            check_source(cfg.init_from)
-        except CheckpointError as e:
-            raise RunError(f"--init_from: {e}") from None
-    unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp)) if cfg.init_from == "scratch" else None
-    agree(unfit and f"{unfit} (see --plan)")
-    batch = cfg.batch
-    log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
-        f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
+    unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))  # a loaded model is as big as it is
+    agree(f"{unfit} (see --plan)" if unfit and cfg.init_from == "scratch" else None)
 
     # log_dir: made, claimed against a second run, and tidied.
     on_every_rank(logdir.make_log_dir, cfg.log_dir)
@@ -144,8 +134,15 @@ def setup(cfg):
     else:
         raw_model = GPT(cfg.model, **options).to(device)
     model = raw_model.config
-    if batch.seq_len > model.block_size:
-        raise RunError(f"--seq_len {batch.seq_len} is longer than the model's block_size {model.block_size}")
+    if cfg.batch.seq_len > model.block_size:
+        raise RunError(f"--seq_len {cfg.batch.seq_len} is longer than the model's block_size {model.block_size}")
+    device_type = device.split(":")[0]
+    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
+    dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    cfg = memory.resolve_micro_batch(cfg, model, device, world_size, dtype, compile_mode is not None, log)
+    batch = cfg.batch
+    log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
+        f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
 
     # Data: every shard checked now, naming the shard, not hours in; and what the run can evaluate.
     on_every_rank(shard_demo_corpus, cfg.data_dir, log, rank == 0)
@@ -153,11 +150,10 @@ def setup(cfg):
     if not train_paths:
         raise RunError(f"no *_train_*.npy shards in {cfg.data_dir!r}: make them with "
                        f"`python fineweb.py --output_dir {cfg.data_dir}` (or --input your files)")
-    B, T = batch.micro_batch_size, batch.seq_len
-    train_loader = ShardLoader(train_paths, B, T, rank, world_size, seed=cfg.runtime.seed,
-                               shuffle=bool(cfg.runtime.shuffle), vocab_size=model.vocab_size)
-    val_loader = ShardLoader(val_paths, B, T, rank, world_size, shuffle=False, vocab_size=model.vocab_size) \
-        if val_paths else None
+    train_loader = ShardLoader(train_paths, batch.micro_batch_size, batch.seq_len, rank, world_size,
+                               seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle), vocab_size=model.vocab_size)
+    val_loader = ShardLoader(val_paths, batch.micro_batch_size, batch.seq_len, rank, world_size, shuffle=False,
+                             vocab_size=model.vocab_size) if val_paths else None
     for shard in train_loader.shards + (val_loader.shards if val_loader else []):
         shard.check_ids(model.vocab_size, full=cfg.runtime.check_data == "full")
     evaluation = cfg.eval
@@ -174,10 +170,7 @@ def setup(cfg):
     hellaswag_examples = load_hellaswag(cfg, local_rank, model, log)
 
     # The optimizer, then the state to resume from, if any.
-    device_type = device.split(":")[0]
-    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    step_config = StepConfig(pick_dtype(cfg.runtime.dtype, device_type), batch.grad_accum_steps(world_size),
-                             cfg.optimizer, cfg.scale, compile_mode)
+    step_config = StepConfig(dtype, batch.grad_accum_steps(world_size), cfg.optimizer, cfg.scale, compile_mode)
     trainable = build_trainable(raw_model, device, step_config, init=init)
     torch.manual_seed(cfg.runtime.seed + rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
@@ -196,10 +189,8 @@ def setup(cfg):
 def shard_demo_corpus(data_dir, log, enabled):
     """On rank 0 (enabled), the bundled Tiny Shakespeare sharded into data_dir if it is the demo's
     own (fineweb.shard_demo_corpus), as a RunError where it cannot be."""
-    if not enabled:
-        return
     try:
-        message = fineweb.shard_demo_corpus(data_dir)
+        message = fineweb.shard_demo_corpus(data_dir) if enabled else None
     except (fineweb.InputError, OSError) as e:  # OSError: a shard that cannot be written
         raise RunError(str(e)) from None
     if message:
@@ -210,6 +201,7 @@ def shard_demo_corpus(data_dir, log, enabled):
 
 def train(cfg):
     t_start = time.perf_counter()
+    auto_batch = cfg.batch.micro_batch_size == "auto"
     run = setup(cfg)
     cfg, trainable, log = run.cfg, run.trainable, run.log
     faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model)
@@ -220,7 +212,7 @@ def train(cfg):
         while True:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
@@ -231,9 +223,11 @@ def train(cfg):
 
             faults.before_step(step)
             t0 = time.perf_counter()
-            result = train_step(trainable, run.train_loader, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
+            lr = cfg.schedule.lr(step, cfg.optimizer.max_lr)
+            result = memory.retry_out_of_memory(lambda: train_step(trainable, run.train_loader, lr, stop.requested),
+                                                run, step, auto_batch)
             if result is None:
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 stopped = True
                 break
@@ -253,8 +247,9 @@ def train(cfg):
     newest = list_checkpoints(cfg.log_dir)[-1:] if run.rank == 0 else []
     trained = (f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}"
                if run.start_step < cfg.schedule.max_steps else f"done: evaluated step {step}, no steps trained")
-    log(f"{trained}, {step * cfg.batch.total_batch_size:,} tokens, {tqdm.format_interval(time.perf_counter() - t_start)} "
-        f"wall time, {'no val loss' if val is None else f'val loss {val[1]:.4f} at step {val[0]}'}, last checkpoint "
+    wall = tqdm.format_interval(time.perf_counter() - t_start)
+    log(f"{trained}, {step * cfg.batch.total_batch_size:,} tokens, {wall} wall time, "
+        f"{'no val loss' if val is None else f'val loss {val[1]:.4f} at step {val[0]}'}, last checkpoint "
         f"{newest[0] if newest else 'none'}")
     return trainable.raw_model
 
@@ -272,10 +267,9 @@ def log_step(run, step, result, seconds, bad_steps):
     flops = run.trainable.raw_model.flops_per_token(batch.seq_len) * batch.total_batch_size
     mfu = f" | mfu {100 * flops / seconds / (peak * run.world_size):.1f}%" if peak else ""
     mem = f" | mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device.startswith("cuda") else ""
-    muon_step_lr = muon_lr(run.trainable.optimizer)
-    muon = {} if muon_step_lr is None else {"muon_lr": muon_step_lr}
+    muon = {} if muon_lr(run.trainable.optimizer) is None else {"muon_lr": muon_lr(run.trainable.optimizer)}
     run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e}"
-            + ("" if muon_step_lr is None else f" | muon lr {muon_step_lr:.4e}")
+            + "".join(f" | muon lr {lr:.4e}" for lr in muon.values())
             + f" | norm {result.grad_norm:.4f} | dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
     run.metrics.write(step=step, tokens=tokens, train_loss=result.loss, lr=result.lr, **muon,
                       grad_norm=result.grad_norm, dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
@@ -321,31 +315,45 @@ class StepResult:
     skipped: bool  # a non-finite loss or gradient: the weights did not change
 
 
-def train_step(trainable, loader, lr, stop_requested=lambda: False):
+def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.any_rank(False, *flags)):
     """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
     the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
     optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
-    finished, so the caller's clock times the whole step. Returns None, the weights and optimizer
-    untouched and the loader back at the step's start, if stop_requested() is true before a
-    micro-step: a stop never waits for a long step (torchrun SIGKILLs 30 s after a SIGTERM)."""
+    finished, so the caller's clock times the whole step. After each forward pass the ranks agree
+    (stop_requested(out_of_memory) -> [stop, out_of_memory], each true if on any rank): a stop returns
+    None, an out-of-memory error raises memory.StepOutOfMemory, the weights and optimizer untouched
+    and the loader back at the step's start. A stop never waits for a long step (torchrun SIGKILLs)."""
     ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     trainable.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=trainable.device)
     start = loader.state_dict()
+    out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
     for micro_step in range(trainable.config.grad_accum_steps):
-        if stop_requested():
-            loader.load_state_dict(start)
-            return None
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
         last = micro_step == trainable.config.grad_accum_steps - 1
-        with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
-            # [1]: no logits kept into the next micro-step
-            loss = trainable.model(x, y, **trainable.loss_options())[1]
+        try:
+            with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
+                loss = trainable.model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
+        stop, out_of_memory = stop_requested(out_of_memory)
+        if stop or out_of_memory:
+            loader.load_state_dict(start)
+            if out_of_memory:
+                raise memory.StepOutOfMemory
+            return None
         loss = loss / trainable.config.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
-        trainable.scaler.scale(loss).backward()
+        try:
+            trainable.scaler.scale(loss).backward()
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+    if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
+        loader.load_state_dict(start)
+        raise memory.StepOutOfMemory
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
     # rank's was) and norm (of gradients already all-reduced), so all decide alike.
     if dist.is_initialized():
@@ -440,15 +448,24 @@ def write_samples(run, step):
 
 
 def load_hellaswag(cfg, local_rank, config, log):
-    """The HellaSwag examples to score at each eval, or None with a one-line note. Each eval is
-    a collective, so unless every rank loaded the same number of examples, no rank scores any."""
+    """The HellaSwag examples to score at each eval, or None with a one-line note (offline, or a
+    damaged file: training goes on without them). Each eval is a collective, so unless every rank
+    loaded the same number of examples, no rank scores any."""
     if not cfg.eval.hellaswag or not cfg.eval.eval_interval:
         return None
     # One download per machine, not one per GPU: local rank 0 reads first, fetching the file
     # if it is not cached; the other ranks wait at the barrier, then read its copy.
     if dist.is_initialized() and local_rank != 0:
         dist.barrier()
-    examples = read_hellaswag(cfg.eval, log)
+    examples, path = None, cfg.eval.hellaswag_path
+    if path is not None and not os.path.exists(path):
+        log(f"note: no HellaSwag file at {path}: skipping HellaSwag "
+            f"(`python hellaswag.py --download_only` fetches it to {hellaswag.cached_path('val')})")
+    else:
+        try:
+            examples = hellaswag.load_examples(path, local_flag="--hellaswag_path")[: cfg.eval.hellaswag_limit or None]
+        except hellaswag.HellaSwagError as e:
+            log(f"note: skipping HellaSwag: {e}")
     if dist.is_initialized() and local_rank == 0:
         dist.barrier()
     counts = every_rank(len(examples) if examples else 0)
@@ -462,20 +479,6 @@ def load_hellaswag(cfg, local_rank, config, log):
             log(f"note: skipping HellaSwag: {e}")
             return None
     return examples
-
-
-def read_hellaswag(evaluation, log):
-    """The examples that evaluation (an EvalConfig) names, or None with a one-line note."""
-    if evaluation.hellaswag_path is not None and not os.path.exists(evaluation.hellaswag_path):
-        log(f"note: no HellaSwag file at {evaluation.hellaswag_path}: skipping HellaSwag "
-            f"(`python hellaswag.py --download_only` fetches it to {hellaswag.cached_path('val')})")
-        return None
-    try:
-        examples = hellaswag.load_examples(evaluation.hellaswag_path, local_flag="--hellaswag_path")
-    except hellaswag.HellaSwagError as e:  # offline, or a damaged file: training goes on without it
-        log(f"note: skipping HellaSwag: {e}")
-        return None
-    return examples[: evaluation.hellaswag_limit or None]
 
 
 @torch.no_grad()

@@ -68,7 +68,8 @@ def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once()
     assert train_gpt2.parse_args([]) == cfg
     names = [train_config.flag_name(f) for f, _ in train_config.flag_values(cfg)]
     assert len(names) == len(set(names)) == len(cfg.flags())
-    assert (cfg.optimizer.max_lr, cfg.schedule.lr(714, cfg.optimizer.max_lr), cfg.batch.micro_batch_size) == (6e-4, 6e-4, 64)
+    assert (cfg.optimizer.max_lr, cfg.schedule.lr(714, cfg.optimizer.max_lr), cfg.batch.micro_batch_size) == (6e-4, 6e-4, "auto")
+    assert cfg.batch.auto_micro_batches(1)[0] == 64  # -B auto's ceiling: the recipe's micro-batch
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -22,6 +22,25 @@ def stream_loader(tmp_path, sizes, B, T, world_size, rank):
     return ShardLoader(paths, B, T, rank=rank, world_size=world_size, shuffle=False)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_loader_resized_mid_epoch_reads_the_same_tokens_in_smaller_batches(tmp_path, world_size):
+    """What an out-of-memory step halves to (memory.retry_out_of_memory): the step's tokens over all
+    ranks, in twice the micro-batches of half the sequences, and the same stream after it."""
+    def step_tokens(loaders, micro_steps):
+        return torch.cat([loader.next_batch()[0].flatten() for _ in range(micro_steps) for loader in loaders]).sort()[0]
+    B, T, sizes = 4, 8, [200, 90, 230]
+    whole = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
+    halved = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
+    assert torch.equal(step_tokens(whole, 2), step_tokens(halved, 2))
+    for loader in halved:
+        loader.resize(B // 2)
+    for _ in range(2):
+        expected = step_tokens(whole, 2)
+        assert torch.equal(step_tokens(halved, 4), expected)
+        assert torch.equal(expected, torch.arange(expected[0], expected[0] + 2 * world_size * B * T))
+    assert halved[0].batches_per_epoch == (sum(sizes) - 1) // (B // 2 * T) // world_size
+
+
 def test_a_files_split_is_the_last_split_word_in_its_name(tmp_path):
     names = ["a_train_x_val_000000.npy", "a_train_x_train_000001.npy", "b_val_y_train_000001.npy",
              "c_val_000000.npy", "notes_train.npy", "d_train_000001.npy.tmp"]

@@ -16,7 +16,7 @@ import cli
 import loading
 import logdir
 import train_gpt2
-from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, disk_full, error_of, file_size_limit,
+from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, disk_full, error_of, file_size_limit,
                       final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
                       run_torchrun, train, train_records, write_jsonl, write_token_shards)
 from data import write_shard
@@ -522,3 +522,52 @@ def test_a_sharded_save_that_fails_midway_leaves_no_partial_directory(tmp_path, 
     with pytest.raises(OSError, match="No space left on device"):
         checkpoint.save_dcp(path, model, optimizer, {"step": 4})
     assert listdir(tmp_path) == []
+
+
+OOM_RUN = ["--total_batch_size", "256", "--max_steps", "4", "--checkpoint_interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def halved_micro_batch(shards, tmp_path_factory):
+    """The reference for a step that runs out of memory at -B 8: -B 4 throughout."""
+    return train(shards, tmp_path_factory.mktemp("halved"), *OOM_RUN, "-B", "4")
+
+
+def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, capsys, halved_micro_batch):
+    """-B auto (8 on a CPU: the step's 8 sequences) meets an out-of-memory error at step 2: the step
+    runs again at 4 with twice the micro-steps, and the run trains every step with -B 4's losses.
+    Its checkpoint records the micro-batch it ended at, and a resume at another one says so."""
+    records = train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--fault", "oom@2")
+    out = capsys.readouterr().out
+    assert "micro-batch auto: 8 (" in out and ", 1 micro-steps per step" in out
+    assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
+    assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
+    assert_same_run(records, halved_micro_batch, rel=1e-5)
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt")["args"]["micro_batch_size"] == 4
+    train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--max_steps", "5")
+    assert "note: micro-batch 8, where the checkpoint's run took 4" in capsys.readouterr().out
+
+
+def test_an_out_of_memory_step_at_an_explicit_micro_batch_is_one_line(shards, tmp_path, capsys):
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "-B", "8", "--fault", "oom@1")
+    assert message == "error: out of memory at step 1 at -B 8: try -B auto, or a smaller -B"
+
+
+def test_out_of_memory_below_one_sequence_names_recompute_or_fsdp(shards, tmp_path, capsys):
+    """-B auto at one sequence a step (32 tokens of T=32) has nothing left to halve."""
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "--total_batch_size", "32",
+                       "-B", "auto", "--fault", "oom@1")
+    assert message.startswith("error: out of memory at step 1 at micro-batch 1: a GPT of ")
+    assert "--recompute full plans" in message or "--fsdp 1 --recompute full over" in message
+
+
+@pytest.mark.slow
+def test_two_ranks_halve_together_when_one_runs_out_of_memory(shards, tmp_path, halved_micro_batch):
+    """Only rank 1 runs out of memory (its micro-batch 4 of the step's 8 sequences); rank 0 learns
+    of it, both halve, and together they train -B 4's run in one process."""
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "-B", "auto",
+                          "--fault", "oom@2:1", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "micro-batch auto: 4 (" in result.stdout
+    assert result.stdout.count("out of memory at step 2: micro-batch 4 -> 2, 2 micro-steps per step") == 1
+    assert_same_run(read_log(tmp_path), halved_micro_batch, rel=1e-5)

@@ -152,7 +152,8 @@ PAST_A_FLOAT = "error: a GPT of these sizes needs more than 1.8e+308 bytes: too 
 
 @pytest.mark.parametrize("flags, expected", [
     (["--n_embd", 10**400, "--n_head", 1], PAST_A_FLOAT), (["--n_layer", 10**400], PAST_A_FLOAT),
-    (["--total_batch_size", 10**400 + 1], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*world_size")])
+    (["--total_batch_size", 10**400 + 1], f"error: -B auto: --total_batch_size {10**400 + 1} is not a multiple of T*"),
+    (["--total_batch_size", 10**400 + 1, "-B", 4], f"error: --total_batch_size {10**400 + 1} is not a multiple of B*T*")])
 def test_a_plan_past_a_floats_range_is_one_line(capsys, flags, expected):
     """Not an OverflowError from dividing such sizes as floats."""
     assert exit_message(capsys, train_gpt2.main, "--plan", *flags).startswith(expected)
@@ -191,16 +192,18 @@ def test_sharding_and_recompute_shrink_the_plan():
     chunked = memory.plan(config, 8, 1024, ScaleConfig(chunked_loss=True))
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
-    assert ddp.logits == 2 * (chunked.logits - memory.head_gradient_bytes(config))  # 8x1024 positions, against a chunk of 4096
+    assert chunked.logits - memory.head_gradient_bytes(config) < ddp.logits / 2  # a chunk of 4096 positions, not 8x1024
+    compiled = memory.plan(config, 8, 1024, ScaleConfig(), compiled=True)
+    assert compiled.logits == ddp.logits / 6 and compiled.activations == ddp.activations  # no float32 copy compiled
 
 
 def test_the_fused_loss_plans_one_chunk_of_logits_in_the_autocast_dtype_alone():
-    """Its gradient is written over the logits: a bytes a position and column, against the masked
-    loss's a + 8 (a float32 log-softmax and its gradient beside them), for one chunk however many positions."""
+    """Its gradient is written over the logits: a bytes a position and column, against the eager
+    masked loss's 12 (three float32 tensors at the backward's peak), for one chunk however many positions."""
     config, head = GPTConfig(vocab_size=50304), memory.head_gradient_bytes(GPTConfig(vocab_size=50304))
     batch = fused_loss.CHUNK // 1024  # one chunk's positions
     fused = memory.logits_bytes(config, batch, 1024, False, fused_loss=True)
-    assert fused - head == memory.logits_bytes(config, batch, 1024, False) * 2 // 10
+    assert fused - head == memory.logits_bytes(config, batch, 1024, False) * 2 // 12
     assert memory.logits_bytes(config, 4 * batch, 1024, False, fused_loss=True) == fused
 
 
@@ -215,3 +218,79 @@ def test_memory_py_refuses_arguments_in_one_line(capsys):
     """It takes none: a flag such as --n_layer 48 would otherwise be ignored, the table printed as if it were read."""
     assert exit_message(capsys, memory.main, "--n_layer", "48") == \
         "memory.py: error: unrecognized arguments: --n_layer 48 (see --help)"
+
+
+def planned(capsys, *flags):
+    """(the micro-batch -B auto picks, the plan's total in GiB) that --plan prints for flags."""
+    train_gpt2.main(["--plan", "-B", "auto", *map(str, flags)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("-B auto: ")
+    return int(lines[-1].split()[2]), float(lines[-2].split()[1])
+
+
+def test_plan_picks_the_micro_batch_that_fits_a_gpu_this_machine_lacks(capsys):
+    micro_batch, total = planned(capsys, "--gpu_memory", 24)
+    assert micro_batch in (16, 32) and total <= 24
+    assert planned(capsys, "--gpu_memory", 80)[0] == 64
+    # The same choice as the trainer's (pick_micro_batch), at the largest power of two that fits.
+    cfg = train_gpt2.parse_args(["--gpu_memory", "24", "--plan"])
+    assert memory.pick_micro_batch(cfg, 1, 24 * memory.GiB, 2, compiled=True)[0] == micro_batch
+    assert not memory.fits(memory.run_plan(cfg, 2 * micro_batch, 1, 2, True), 24 * memory.GiB)
+
+
+def test_a_model_that_fits_no_micro_batch_is_one_line_naming_fsdp(capsys):
+    message = exit_message(capsys, train_gpt2.main, "--plan", "--preset", "gpt2-xl", "-B", "auto", "--gpu_memory", 24)
+    assert message.startswith("error: -B auto: a GPT of 1,557,686,400 parameters needs ")
+    assert "--fsdp 1 --recompute full over 2 GPUs" in message and "torchrun --nproc_per_node=2" in message
+
+
+@pytest.mark.parametrize("value, expected", [("0", "must be positive, not 0.0"), ("-3", "must be positive, not -3.0"),
+                                             ("nan", "must be a finite number, not nan"),
+                                             ("inf", "must be a finite number, not inf")])
+def test_a_bad_gpu_memory_is_one_usage_error(capsys, value, expected):
+    with pytest.raises(SystemExit) as e:
+        train_gpt2.main(["--plan", "--gpu_memory", value])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and not out and len(err.splitlines()) == 1
+    assert err.endswith(f": error: --gpu_memory {expected} (see --help)\n")
+
+
+def test_auto_where_no_micro_batch_divides_the_step_is_one_line(capsys):
+    message = exit_message(capsys, train_gpt2.main, "--plan", "--total_batch_size", 1000, "-T", 128,
+                           "--plan_world_size", 2)
+    assert message == ("error: -B auto: --total_batch_size 1000 is not a multiple of T*world_size = 128*2 = 256, so no "
+                       "micro-batch divides it; try --total_batch_size 1024")
+
+
+def test_auto_off_a_gpu_is_the_largest_power_of_two_up_to_the_recipes_that_divides_the_step(capsys):
+    cfg = train_gpt2.parse_args(["--total_batch_size", str(3 * 8 * 1024), "--plan"])
+    logged = []
+    resolved = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
+    assert resolved.batch.micro_batch_size == 8 and resolved.flags()["micro_batch_size"] == 8
+    assert logged == ["micro-batch auto: 8 (the largest up to 64 that divides the step: cpu memory is not planned), "
+                      "3 micro-steps per step"]
+    assert [memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
+            .batch.micro_batch_size for cfg in (train_gpt2.parse_args([]), train_gpt2.parse_args(["-B", "5"]))] == [64, 5]
+
+
+def test_a_config_file_takes_auto_or_a_number_for_the_micro_batch(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    for value, expected in (('"auto"', "auto"), ("16", 16)):
+        config.write_text(f"micro_batch_size = {value}\n")
+        assert train_gpt2.parse_args(["--config", str(config)]).batch.micro_batch_size == expected
+    config.write_text('micro_batch_size = "most"\n')
+    assert exit_message(capsys, train_gpt2.parse_args, "--config", config).endswith(
+        "micro_batch_size must be what --micro_batch_size takes: 'most' is neither a number of sequences nor auto "
+        "(see --help)")
+
+
+def test_auto_on_a_gpu_fits_its_free_memory_or_says_it_cannot_read_it(monkeypatch):
+    cfg, logged = train_gpt2.parse_args([]), []
+    for free in (24 * memory.GiB, None):
+        monkeypatch.setattr(memory, "free_memory", lambda device: free)
+        resolved = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)
+        assert resolved.batch.micro_batch_size == (32 if free else 64)
+    expected = memory.run_plan(cfg, 32, 1, 2, True).total / memory.GiB
+    assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} of 24.0 GiB free), 16 micro-steps per step",
+                      "micro-batch auto: 64 (the largest up to 64 that divides the step: the GPU's free memory cannot "
+                      "be read), 8 micro-steps per step"]

@@ -52,7 +52,7 @@ def test_lr_schedule_is_gpt2s():
 
 def test_defaults_are_the_gpt2_124m_recipe():
     a = train_gpt2.parse_args([]).flags()
-    assert (a["total_batch_size"], a["micro_batch_size"], a["seq_len"], a["vocab_size"]) == (524288, 64, 1024, 50304)
+    assert (a["total_batch_size"], a["micro_batch_size"], a["seq_len"], a["vocab_size"]) == (524288, "auto", 1024, 50304)
     assert (a["n_layer"], a["n_head"], a["n_embd"], a["max_steps"], a["warmup_steps"]) == (12, 12, 768, 19073, 715)
     assert (a["weight_decay"], a["grad_clip"], a["seed"], a["eval_interval"], a["checkpoint_interval"]) == \
         (0.1, 1.0, 1337, 250, 5000)
@@ -180,17 +180,15 @@ def test_hellaswag_is_skipped_with_a_note_for_a_model_that_cannot_read_it(shards
 
 
 def test_hellaswag_that_is_missing_or_cannot_be_downloaded_names_the_trainers_flags(tmp_path, monkeypatch):
-    import argparse
-
     import hellaswag
     notes = []
-    evaluation = argparse.Namespace(hellaswag_path=str(tmp_path / "absent.jsonl"), hellaswag_limit=0)
-    assert train_gpt2.read_hellaswag(evaluation, notes.append) is None
+    cfg = train_gpt2.parse_args(["--hellaswag_path", str(tmp_path / "absent.jsonl")])
+    assert train_gpt2.load_hellaswag(cfg, 0, cfg.model, notes.append) is None
     assert "skipping HellaSwag (`python hellaswag.py --download_only` fetches it to" in notes[-1]
     monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
     monkeypatch.setenv(hellaswag.URL_ENV, (tmp_path / "unreachable").as_uri())
-    evaluation.hellaswag_path = None
-    assert train_gpt2.read_hellaswag(evaluation, notes.append) is None
+    cfg = train_gpt2.parse_args([])
+    assert train_gpt2.load_hellaswag(cfg, 0, cfg.model, notes.append) is None
     assert "pass --hellaswag_path PATH" in notes[-1] and "--data" not in notes[-1]
     assert os.listdir(tmp_path) == []
 
@@ -692,7 +690,7 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
 
 
 def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
-    """Asked to stop before its third micro-step, train_step returns None having changed nothing:
+    """Asked to stop in its third micro-step, train_step returns None having changed nothing:
     the next step (of the resumed run) reads the same batches and gets the same result."""
     def trainable():
         torch.manual_seed(0)
@@ -702,7 +700,7 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
     asked = iter([False, False, True])
-    assert train_gpt2.train_step(dropped, loaders[0], 1e-3, lambda: next(asked)) is None
+    assert train_gpt2.train_step(dropped, loaders[0], 1e-3, lambda oom: [next(asked), oom]) is None
     assert loaders[0].state_dict() == loaders[1].state_dict()
     assert not dropped.optimizer.state and all(torch.equal(a, b) for a, b in
                                                zip(dropped.model.parameters(), plain.model.parameters()))
