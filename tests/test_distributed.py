@@ -120,6 +120,7 @@ def run_two_nodes(*args, stop_at_step=None):
     import json
     import signal
     import socket
+    import subprocess
     import time
     from helpers import finish_torchrun
     with socket.socket() as s:
@@ -136,9 +137,15 @@ def run_two_nodes(*args, stop_at_step=None):
             time.sleep(0.05)
         stopped = finish_torchrun(nodes[1], timeout=180)
         # Node 0's worker has checkpointed and exited with the others; its launcher would wait at
-        # torchrun's exit barrier (300 s) for node 1's, which the signal ended: the cluster ends it too.
+        # torchrun's exit barrier (300 s) for node 1's, which the signal ended: the cluster ends it
+        # too, with SIGTERM, then SIGKILL after a grace period (retried, communicate loses no output).
         nodes[0].send_signal(signal.SIGTERM)
-        return [finish_torchrun(nodes[0], timeout=180), stopped]
+        try:
+            out, err = nodes[0].communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(nodes[0].pid, signal.SIGKILL)
+            out, err = nodes[0].communicate()
+        return [subprocess.CompletedProcess(nodes[0].args, nodes[0].returncode, out, err), stopped]
     return [finish_torchrun(node, timeout=180) for node in nodes]
 
 

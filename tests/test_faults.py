@@ -70,8 +70,8 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
     assert proc.returncode == 0, err
     assert "stopping on a signal" in out
     stopped_at = int(checkpoint.list_checkpoints(str(tmp_path))[-1][-9:-3])
-    # The summary says it stopped, and of which step its val loss is (LONG evaluates only step 0).
-    assert re.match(rf"stopped: step {stopped_at} of 40, .* val loss [\d.]+ at step 0, last checkpoint ",
+    # The summary says it stopped, not that it is done (LONG evaluates nothing).
+    assert re.match(rf"stopped: step {stopped_at} of 40, .* no val loss, last checkpoint ",
                     out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
     assert 3 <= stopped_at < 40
     assert_each_step_logged_once(tmp_path, stopped_at)
