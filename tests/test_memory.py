@@ -134,7 +134,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
 
 def test_plan_is_of_the_device_and_dtype_the_run_would_take(capsys):
     config, _ = memory.preset_model("demo")
-    float32 = memory.plan(config, train_gpt2.parse_args(["--preset", "demo"]).batch.micro_batch_size, 128, dtype_bytes=4)
+    float32 = memory.plan(config, 8, 128, dtype_bytes=4)  # -B auto's pick on a CPU: 8 sequences of the 1,024-token step
     runs = [["--device", "cpu"]] + ([[]] if devices.auto_device_type() == "cpu" else [])  # --device auto on a CPU
     for flags in runs:
         train_gpt2.main(["--preset", "demo", "--plan", *flags])

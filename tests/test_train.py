@@ -124,13 +124,14 @@ def test_the_demos_step_of_1024_tokens_divides_over_1_2_and_4_processes(world_si
 
 @pytest.mark.slow
 def test_the_demo_under_torchrun_trains_as_on_one_process(tmp_path, demo_dir):
-    """The README's torchrun line with the demo: 2 ranks of 2 micro-steps, the losses of one process's 4."""
+    """The README's torchrun line with the demo: 2 ranks of 4 sequences (-B auto), the losses of one
+    process's 8."""
     flags = ["--preset", "demo", "--data_dir", str(demo_dir), "--max_steps", "5",
              "--hellaswag_path", str(tmp_path / "absent.jsonl")]
     train_gpt2.main([*flags, "--log_dir", str(tmp_path / "single")])  # shards the corpus into demo_dir
     result = run_torchrun("train_gpt2.py", *flags, "--log_dir", tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "world size 2, device cpu, 2 micro-steps of 2x128 tokens per step of 1024" in result.stdout
+    assert "world size 2, device cpu, 1 micro-steps of 4x128 tokens per step of 1024" in result.stdout
     assert_same_run(read_log(tmp_path / "single"), read_log(tmp_path / "ddp"))
 
 
