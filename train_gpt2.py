@@ -96,8 +96,8 @@ class Run:
 
 
 def setup(cfg):
-    """Processes, model, data, log_dir, optimizer and the state to resume from, in that order (a start
-    failing before log_dir leaves none); each check runs on every rank, and stops them all alike."""
+    """Processes, log_dir, data, model and optimizer, and the state to resume from, in that order.
+    Every check that can fail runs on every rank, and stops them all alike."""
     # Processes: one per GPU under torchrun. What the device cannot hold is refused before it is allocated.
     rank, local_rank, world_size, device = distributed.init(cfg.runtime.device)
     log = partial(print, flush=True) if rank == 0 else lambda message: None
@@ -108,6 +108,12 @@ def setup(cfg):
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
     unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))  # a loaded model is as big as it is
     agree(f"{unfit} (see --plan)" if unfit and cfg.init_from == "scratch" else None)
+
+    # log_dir: made, claimed against a second run, and tidied.
+    on_every_rank(logdir.make_log_dir, cfg.log_dir)
+    log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, rank == 0)
+    on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, log, rank == 0)
+    mirrors = on_every_rank(logdir.log_mirrors, cfg, rank == 0)
 
     # The model: random, or the weights of anything load_model takes, whose architecture (not
     # dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized
@@ -162,12 +168,6 @@ def setup(cfg):
         evaluation = replace(evaluation, sample_interval=0)
     cfg = replace(cfg, eval=evaluation)
     hellaswag_examples = load_hellaswag(cfg, local_rank, model, log)
-
-    # log_dir: made, claimed against a second run, and tidied, once all that could fail before has not.
-    on_every_rank(logdir.make_log_dir, cfg.log_dir)
-    log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, rank == 0)
-    on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, log, rank == 0)
-    mirrors = on_every_rank(logdir.log_mirrors, cfg, rank == 0)
 
     # The optimizer, then the state to resume from, if any.
     step_config = StepConfig(dtype, batch.grad_accum_steps(world_size), cfg.optimizer, cfg.scale, compile_mode)
