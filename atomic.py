@@ -3,6 +3,7 @@ the scripts' --json results. Only regular files are ever replaced."""
 import errno
 import fcntl
 import os
+import shutil
 import stat
 from contextlib import contextmanager, suppress
 
@@ -110,6 +111,13 @@ def claim_directory(directory, owner):
             f.close()
         raise UnusableLock(f"{directory}: cannot write its lock file {LOCK_NAME} ({e.strerror or e})") from None
     return f
+
+
+def remove_if_unused(directory):
+    """Removes directory if it holds nothing but its .lock: what a start that made it, claimed it
+    and then failed would otherwise leave behind."""
+    if os.path.isdir(directory) and not os.path.islink(directory) and set(os.listdir(directory)) <= {LOCK_NAME}:
+        shutil.rmtree(directory)
 
 
 def open_lock_file(directory):

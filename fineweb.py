@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet as pq
 
-from atomic import LOCK_NAME, CannotClaim, atomic_open, claim_directory
+from atomic import CannotClaim, atomic_open, claim_directory, remove_if_unused
 from cli import Parser, UnreadableFile, parse_json, preset_path, progress_meter, read_config, read_text
 from data import SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of, write_shard
 from tokenizer import BPE_SHA256, EOT, get_encoding
@@ -539,8 +538,8 @@ def shard_corpus(corpus, job):
     except CannotClaim as e:  # in use by another run, or a .lock that cannot be ours
         raise InputError(str(e)) from None
     finally:  # a refusal leaves no directory behind that it made
-        if created_dir and set(os.listdir(output_dir)) <= {LOCK_NAME}:
-            shutil.rmtree(output_dir)
+        if created_dir:
+            remove_if_unused(output_dir)
 
 
 def shard_claimed(corpus, job):

@@ -30,6 +30,7 @@ import hellaswag
 import logdir
 import memory
 import sharding
+from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints
 from cli import Parser, gpt2_vocab_problem, preset_path
 from data import ShardError, ShardLoader, list_shards
@@ -533,6 +534,10 @@ def main(argv=None):
     cfg = parse_args(argv)
     if cfg.plan:
         return memory.print_plan(cfg)
+    rank = int(os.environ.get("RANK", 0))
+    # Looked at before the ranks meet, so before any of them makes it: a start that fails leaves no
+    # log_dir it made holding only its .lock.
+    new_log_dir = rank == 0 and not os.path.lexists(cfg.log_dir)
     try:
         return train(cfg)
     except (RunError, CheckpointError, ShardError) as e:
@@ -541,7 +546,9 @@ def main(argv=None):
         error, code = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest", 130
     finally:
         distributed.leave()
-    if int(os.environ.get("RANK", 0)) == 0:
+    if new_log_dir:
+        remove_if_unused(cfg.log_dir)
+    if rank == 0:
         print(f"error: {error}", file=sys.stderr)
     sys.exit(code)
 

@@ -296,6 +296,10 @@ def test_resume_auto_truncates_the_log_to_the_checkpoint(shards, tmp_path):
 def test_bad_input_fails_with_one_line(shards, tmp_path, capsys):
     message = one_line_error(run_cli("--data_dir", tmp_path / "empty", "--log_dir", tmp_path / "log"))
     assert "no *_train_*.npy shards" in message and "python fineweb.py" in message
+    assert not os.path.lexists(tmp_path / "log")  # a failed start leaves no log_dir holding only its .lock
+    os.makedirs(tmp_path / "mine")  # but one it did not make, it leaves as it was
+    assert "no *_train_*.npy shards" in error_of(capsys, "--data_dir", tmp_path / "empty", "--log_dir", tmp_path / "mine")
+    assert os.listdir(tmp_path / "mine") == [".lock"]
     common = ["--data_dir", shards, "--log_dir", tmp_path / "log", "--max_steps", "2"]
     message = error_of(capsys, *common, "--total_batch_size", "1000", "-B", "8")
     assert "not a multiple of B*T*world_size" in message and "try --total_batch_size 1024" in message
