@@ -107,8 +107,9 @@ def setup(cfg):
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
-    unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))  # a loaded model is as big as it is
-    agree(f"{unfit} (see --plan)" if unfit and cfg.init_from == "scratch" else None)
+    if cfg.init_from == "scratch":  # a loaded model is as big as it is
+        unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))
+        agree(f"{unfit} (see --plan)" if unfit else None)
 
     # log_dir: made, claimed against a second run, and tidied.
     on_every_rank(logdir.make_log_dir, cfg.log_dir)
