@@ -51,7 +51,7 @@ from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from train_config import ScaleConfig, TrainConfig
-from train_gpt2 import ATTENTION_KERNELS, StepConfig, build_trainable, train_step
+from train_gpt2 import ATTENTION_KERNELS, StepConfig, StepOutOfMemory, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -415,12 +415,13 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     # Inductor reads its settings when it compiles, on the first step: set for the whole run.
     with torch._inductor.config.patch(levers["inductor"]):
         try:
-            step = StepConfig(dtype, grad_accum_steps, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
+            tokens_per_step = micro_batch_size * grad_accum_steps * cfg["seq_len"]
+            step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
                               ScaleConfig(chunked_loss=int(levers["chunked_loss"]), fused_loss=int(levers["fused_loss"])),
                               compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
-        except (torch.cuda.OutOfMemoryError, memory.StepOutOfMemory):  # an answer too: this size does not train here
+        except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here
             return {"out_of_memory": True}
         except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
             first_line = next(iter(str(e).strip().splitlines()), "")

@@ -17,10 +17,9 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from devices import auto_device_type, device_memory, pick_dtype, resolve_compile
-from distributed import RunError, agree, every_rank
+from distributed import agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
 from fused_loss import CHUNK as FUSED_CHUNK
 from model import LOSS_CHUNK, GPTConfig
@@ -167,10 +166,6 @@ def fit_problem(config, device, world_size=1, fsdp=False):
 HEADROOM = 0.9
 
 
-class StepOutOfMemory(Exception):
-    """A training step that ran out of memory on some rank: every rank dropped its partial work."""
-
-
 def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, model=None, scale=None):
     """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, for model (default: cfg.model)
     with scale (default: cfg.scale)."""
@@ -249,36 +244,6 @@ def resolve_micro_batch(cfg, model, device, world_size, dtype, compiled, log):
     cfg = replace(cfg, batch=replace(batch, micro_batch_size=picked))
     log(f"micro-batch auto: {picked} ({why}), {cfg.batch.grad_accum_steps(world_size)} micro-steps per step")
     return cfg
-
-
-def retry_out_of_memory(run_step, run, step, auto):
-    """run_step()'s result. Under -B auto, each time the step runs out of memory (StepOutOfMemory)
-    it runs again at half the micro-batch and twice the micro-steps: the same tokens
-    (ShardLoader.resize), the same optimizer step. RunError where it cannot: under -B N, or below
-    one sequence. run: train_gpt2.Run, whose cfg, Trainable and loader take the new micro-batch."""
-    while True:
-        try:
-            return run_step()
-        except StepOutOfMemory:
-            pass
-        trainable, batch = run.trainable, run.train_loader.B
-        if not auto:
-            raise RunError(f"out of memory at step {step} at -B {batch}: try -B auto, or a smaller -B")
-        if batch == 1:
-            advice = unfit_advice(run.cfg, run.world_size, device_memory(trainable.device),
-                                  trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
-                                  trainable.raw_model.config)
-            raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
-        ddp = getattr(trainable.model, "_orig_mod", trainable.model)
-        if isinstance(ddp, DistributedDataParallel):  # its last forward readied an all-reduce no backward will start
-            ddp.reducer._reset_state()
-        trainable.config = replace(trainable.config, grad_accum_steps=2 * trainable.config.grad_accum_steps)
-        run.train_loader.resize(batch // 2)
-        run.cfg = replace(run.cfg, batch=replace(run.cfg.batch, micro_batch_size=batch // 2))
-        if trainable.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
-        run.log(f"out of memory at step {step}: micro-batch {batch} -> {batch // 2}, "
-                f"{trainable.config.grad_accum_steps} micro-steps per step")
 
 
 def print_plan(cfg):

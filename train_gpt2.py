@@ -172,7 +172,7 @@ def setup(cfg):
     hellaswag_examples = load_hellaswag(cfg, local_rank, model, log)
 
     # The optimizer, then the state to resume from, if any.
-    step_config = StepConfig(dtype, batch.grad_accum_steps(world_size), cfg.optimizer, cfg.scale, compile_mode)
+    step_config = StepConfig(dtype, batch.total_batch_size, cfg.optimizer, cfg.scale, compile_mode)
     trainable = build_trainable(raw_model, device, step_config, init=init)
     torch.manual_seed(cfg.runtime.seed + rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
@@ -226,8 +226,7 @@ def train(cfg):
             faults.before_step(step)
             t0 = time.perf_counter()
             lr = cfg.schedule.lr(step, cfg.optimizer.max_lr)
-            result = memory.retry_out_of_memory(lambda: train_step(trainable, run.train_loader, lr, stop.requested),
-                                                run, step, auto_batch)
+            result = train_step_fitting(run, step, lr, stop.requested, auto_batch)
             if result is None:
                 run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
@@ -284,7 +283,7 @@ class StepConfig:
     """How build_trainable builds a Trainable and how its steps run: the run's optimizer and
     scale settings, and what its flags settle to on one device."""
     dtype: torch.dtype  # autocast's; float32 is none
-    grad_accum_steps: int
+    tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
     optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
     scale: ScaleConfig = ScaleConfig()  # FSDP, and the chunked loss (recompute is the model's own)
     compile_mode: str | None = None  # None: eager
@@ -298,7 +297,7 @@ class Trainable:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op in other dtypes
     device: str
-    config: StepConfig  # what it was built with: the dtype, accumulation, clipping and loss its steps use
+    config: StepConfig  # what it was built with: the dtype, step size, clipping and loss its steps use
 
     def loss_options(self):
         """The training forward's keywords that pick how the loss is computed (ScaleConfig)."""
@@ -317,13 +316,17 @@ class StepResult:
     skipped: bool  # a non-finite loss or gradient: the weights did not change
 
 
+class StepOutOfMemory(Exception):
+    """A training step that ran out of memory on some rank: every rank dropped its partial work."""
+
+
 def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.any_rank(False, *flags)):
-    """One optimizer step: grad_accum_steps forward-backward passes, all-reduced (under DDP) only on
-    the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
+    """One optimizer step of trainable.config.tokens_per_step tokens: a forward-backward pass per
+    micro-batch of the loader's, all-reduced (under DDP) only on the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
     optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
     finished, so the caller's clock times the whole step. After each forward pass the ranks agree
     (stop_requested(out_of_memory) -> [stop, out_of_memory], each true if on any rank): a stop returns
-    None, an out-of-memory error raises memory.StepOutOfMemory, the weights and optimizer untouched
+    None, an out-of-memory error raises StepOutOfMemory, the weights and optimizer untouched
     and the loader back at the step's start. A stop never waits for a long step (torchrun SIGKILLs)."""
     ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
@@ -332,9 +335,10 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     loss_sum = torch.zeros((), device=trainable.device)
     start = loader.state_dict()
     out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
-    for micro_step in range(trainable.config.grad_accum_steps):
+    grad_accum_steps = trainable.config.tokens_per_step // (loader.B * loader.T * distributed.world_size())
+    for micro_step in range(grad_accum_steps):
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
-        last = micro_step == trainable.config.grad_accum_steps - 1
+        last = micro_step == grad_accum_steps - 1
         try:
             with trainable.model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
                 loss = trainable.model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
@@ -345,9 +349,9 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
         if stop or out_of_memory:
             loader.load_state_dict(start)
             if out_of_memory:
-                raise memory.StepOutOfMemory
+                raise StepOutOfMemory
             return None
-        loss = loss / trainable.config.grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
+        loss = loss / grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
         loss_sum += loss.detach()
         try:
             trainable.scaler.scale(loss).backward()
@@ -355,7 +359,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
             out_of_memory = True
     if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
         loader.load_state_dict(start)
-        raise memory.StepOutOfMemory
+        raise StepOutOfMemory
     # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
     # rank's was) and norm (of gradients already all-reduced), so all decide alike.
     if dist.is_initialized():
@@ -373,6 +377,34 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     trainable.scaler.update()  # after every unscale_, or the next step's unscale_ raises
     synchronize(trainable.device)
     return StepResult(loss, norm, lr, skipped)
+
+
+def train_step_fitting(run, step, lr, stop_requested, auto):
+    """train_step's result. Under -B auto, each time the step runs out of memory it runs again at
+    half the micro-batch and twice the micro-steps: the same tokens (ShardLoader.resize), the same
+    optimizer step. RunError where it cannot: under -B N, or below one sequence."""
+    while True:
+        try:
+            return train_step(run.trainable, run.train_loader, lr, stop_requested)
+        except StepOutOfMemory:
+            pass
+        trainable, batch = run.trainable, run.train_loader.B
+        if not auto:
+            raise RunError(f"out of memory at step {step} at -B {batch}: try -B auto, or a smaller -B")
+        if batch == 1:
+            advice = memory.unfit_advice(run.cfg, run.world_size, devices.device_memory(trainable.device),
+                                         trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
+                                         trainable.raw_model.config)
+            raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
+        ddp = getattr(trainable.model, "_orig_mod", trainable.model)
+        if isinstance(ddp, DDP):  # its last forward readied an all-reduce no backward will start
+            ddp.reducer._reset_state()
+        run.train_loader.resize(batch // 2)
+        run.cfg = replace(run.cfg, batch=replace(run.cfg.batch, micro_batch_size=batch // 2))  # checkpoints record it
+        if trainable.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
+        run.log(f"out of memory at step {step}: micro-batch {batch} -> {batch // 2}, "
+                f"{run.cfg.batch.grad_accum_steps(run.world_size)} micro-steps per step")
 
 
 def clip_grad_norm(params, max_norm):

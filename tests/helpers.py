@@ -355,6 +355,7 @@ class OneBatch:
     """A loader that gives the same batch every time."""
     def __init__(self, x, y):
         self.batch = x, y
+        self.B, self.T = x.shape
 
     def next_batch(self):
         return self.batch

@@ -214,7 +214,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
     def step(t, loader, lr):
-        stepped.append((t.config.grad_accum_steps, loader.B))
+        stepped.append((t.config.tokens_per_step // (loader.B * loader.T), loader.B))
         if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:  # the baseline does not fit
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return train_gpt2.train_step(t, loader, lr)

@@ -23,7 +23,7 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
     losses = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        step = train_gpt2.StepConfig(torch.float32, grad_accum_steps=2, compile_mode="default" if compiled else None)
+        step = train_gpt2.StepConfig(torch.float32, tokens_per_step=2 * 4 * 32, compile_mode="default" if compiled else None)
         t = train_gpt2.build_trainable(GPT(config), "cpu", step)
         train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
         val = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False)
@@ -45,7 +45,7 @@ def test_a_compiled_model_with_dropout_trains_and_evaluates_as_eager(tmp_path, m
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    t = train_gpt2.build_trainable(GPT(config), "cpu", train_gpt2.StepConfig(torch.float32, 1, compile_mode="default"))
+    t = train_gpt2.build_trainable(GPT(config), "cpu", train_gpt2.StepConfig(torch.float32, 4 * 32, compile_mode="default"))
     x, y = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False).next_batch()
     assert not torch.equal(t.model(x, y)[1], t.model(x, y)[1])  # two masks
     t.model.eval()

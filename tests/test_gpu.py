@@ -35,6 +35,7 @@ class FixedBatches:
 
     def __init__(self, batches):
         self.batches, self.i = batches, 0
+        self.B, self.T = batches[0][0].shape
 
     def next_batch(self):
         self.i += 1
@@ -50,7 +51,7 @@ class FixedBatches:
 def losses_of(compile_mode, chunked_loss=False, steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    step = train_gpt2.StepConfig(torch.bfloat16, grad_accum_steps=2, scale=ScaleConfig(chunked_loss=int(chunked_loss)),
+    step = train_gpt2.StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(chunked_loss=int(chunked_loss)),
                                  compile_mode=compile_mode)
     t = train_gpt2.build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])

@@ -52,7 +52,7 @@ def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
     config = muon.OptimizerConfig(optimizer, 3e-3, 0.1, grad_clip=grad_clip, **kw)
-    step = train_gpt2.StepConfig(torch.float32, 1, config)
+    step = train_gpt2.StepConfig(torch.float32, 4 * 32, config)  # batch()'s
     t = train_gpt2.build_trainable(model, "cpu", step)
     if scaler is not None:
         t.scaler = scaler

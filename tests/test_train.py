@@ -246,7 +246,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
         raw_model = GPT(GPTConfig(**TINY_CONFIG))
         model = DDP(raw_model, gradient_as_bucket_view=True)  # as build_trainable wraps it on 2 ranks or more
         t = train_gpt2.Trainable(model, raw_model, build_optimizer(raw_model, OptimizerConfig(max_lr=1e-3), "cpu"),
-                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 2))
+                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 2 * 2 * 32))
         loader = ShardLoader(list_shards(shards, "train"), 2, 32)
         where = []  # the gradient's storage after each micro-step's accumulation
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
@@ -589,7 +589,7 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
         # lr 0: the weights stay, so every call sees the same gradients; clipping leaves them in p.grad.
         optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3, grad_clip=grad_clip), "cpu")
         t = train_gpt2.Trainable(model, model, optimizer, scaler, "cpu",
-                                 train_gpt2.StepConfig(torch.float32, 1, optimizer=OptimizerConfig(grad_clip=grad_clip)))
+                                 train_gpt2.StepConfig(torch.float32, 2 * 32, optimizer=OptimizerConfig(grad_clip=grad_clip)))
         result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -689,7 +689,7 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
     t = train_gpt2.Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
-                             train_gpt2.StepConfig(torch.float32, 2))
+                             train_gpt2.StepConfig(torch.float32, 2 * 2 * 32))
     train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
     assert events == [("optimizer step",), ("synchronize", "cpu")]
 
@@ -701,7 +701,7 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY_CONFIG))
         return train_gpt2.Trainable(model, model, build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu"),
-                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 4))
+                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 4 * 2 * 32))
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
     asked = iter([False, False, True])
@@ -802,7 +802,7 @@ def test_val_loss_hellaswag_and_samples_run_without_dropout(shards, tmp_path):
     for dropout in (0.5, 0.0):
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, dropout=dropout))
-        trainable = train_gpt2.build_trainable(model, "cpu", train_gpt2.StepConfig(torch.float32, 1))
+        trainable = train_gpt2.build_trainable(model, "cpu", train_gpt2.StepConfig(torch.float32, 4 * 32))
         loader = ShardLoader(list_shards(shards, "val"), 4, 32, shuffle=False)
         torch.manual_seed(dropout * 10)  # another random state: a mask drawn would differ
         results.append((train_gpt2.estimate_val_loss(trainable, loader, 2),
