@@ -1,4 +1,4 @@
-"""pytest's setup for the tests: offline, two threads, Triton's interpreter without a GPU, one
+"""pytest's setup for the tests: offline, one thread a process, Triton's interpreter without a GPU, one
 temporary directory of their own, cuda-marked tests skipped without CUDA, and the fixtures.
 The helpers are in helpers.py."""
 import multiprocessing.util
@@ -17,7 +17,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # anything imports triton (torch._dynamo does); not where CUDA is, where inductor's kernels would be interpreted too.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(2)
+# One thread a process, here and in the scripts and torchrun workers the tests start: pytest runs
+# tests side by side (-n in pytest.ini), and on a busy CPU each extra thread of a tiny model's ops
+# spins waiting for a core, making them thousands of times slower. Only the speed changes.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 # The temporary directory of the tests, their subprocesses and the libraries they call (pytest's
 # tmp_path, torchrun's, tiktoken's and torch's caches): one, removed once every test has passed.

@@ -24,16 +24,6 @@ STEPS = ["--total_batch_size", "256", "-B", "8"]
 MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Muon's Newton-Schulz matmuls are many and tiny: on a busy CPU two threads make each one
-    thousands of times slower than one thread does. Only the speed changes, not a result."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return GPT(GPTConfig(**TINY_CONFIG))
