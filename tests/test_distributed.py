@@ -157,15 +157,13 @@ TWO_NODES = ["train_gpt2.py", *TINY, "-B", "1", "--total_batch_size", str(200 * 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_one_is_preempted(shards, tmp_path):
     """Two torchrun launchers (--nnodes=2, one process each) on one machine, sharing --log_dir,
-    as the README's multi-node command runs; then node 1 preempted, and both relaunched."""
+    as the README's multi-node command runs, with node 1 preempted and both relaunched, train
+    exactly as one node of two processes: the same losses, step for step."""
     from helpers import read_log, run_torchrun, train_records
     one_node = run_torchrun(*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "one_node")
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     expected = [r["train_loss"] for r in train_records(read_log(tmp_path / "one_node"))]
     assert len(expected) == 5
-    for node in run_two_nodes(*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "two_nodes"):
-        assert node.returncode == 0, node.stderr[-3000:]
-    assert [r["train_loss"] for r in train_records(read_log(tmp_path / "two_nodes"))] == expected
     run = [*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "preempted"]
     stopped = run_two_nodes(*run, stop_at_step=1)
     assert "stopping on a signal at step" in stopped[0].stdout + stopped[1].stdout, stopped[1].stderr[-3000:]
