@@ -322,12 +322,13 @@ class StepOutOfMemory(Exception):
 
 def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.any_rank(False, *flags)):
     """One optimizer step of trainable.config.tokens_per_step tokens: a forward-backward pass per
-    micro-batch of the loader's, all-reduced (under DDP) only on the last; then the ranks agree on the loss, the gradients are unscaled and clipped, and the
-    optimizer steps at lr, unless the loss or gradient is not finite. Returns once the device has
-    finished, so the caller's clock times the whole step. After each forward pass the ranks agree
-    (stop_requested(out_of_memory) -> [stop, out_of_memory], each true if on any rank): a stop returns
-    None, an out-of-memory error raises StepOutOfMemory, the weights and optimizer untouched
-    and the loader back at the step's start. A stop never waits for a long step (torchrun SIGKILLs)."""
+    micro-batch of the loader's, all-reduced (under DDP) only on the last; then the ranks agree on
+    the loss, the gradients are unscaled and clipped, and the optimizer steps at lr, unless the loss
+    or gradient is not finite. Returns once the device has finished, so the caller's clock times
+    the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
+    [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
+    raises StepOutOfMemory, the weights and optimizer untouched and the loader back at the step's
+    start. A stop never waits for a long step (torchrun SIGKILLs)."""
     ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
