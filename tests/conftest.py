@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # One thread a process, here and in the scripts and torchrun workers the tests start: pytest runs
 # tests side by side (-n in pytest.ini), and on a busy CPU each extra thread of a tiny model's ops
-# spins waiting for a core, making them thousands of times slower. Only the speed changes.
+# spins waiting for a core, making them many times slower. Only the speed changes.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
