@@ -349,8 +349,7 @@ def bench_train(args, device, workdir, record):
         result = dict(name="profile", variant="project",
                       config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} accum={total_batch(cfg, B) // (B * T)} "
                              f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
-        result.update(profile_train_steps(cfg, B, total_batch(cfg, B) // (B * T), levers, shard, device, dtype,
-                                          args.trace))
+        result.update(profile_train_steps(cfg, B, total_batch(cfg, B), levers, shard, device, dtype, args.trace))
         record(result)
 
 
@@ -379,18 +378,18 @@ def time_train_run(cfg, B, levers, shrink_to_fit, shard, device, dtype):
     of memory is halved, with twice the gradient accumulation: the same tokens per step, at what fits."""
     total, micro_batch_size = total_batch(cfg, B), B
     while True:
-        grad_accum_steps = total // (micro_batch_size * cfg["seq_len"])
-        result = time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype)
+        result = time_train_steps(cfg, micro_batch_size, total, levers, shard, device, dtype)
         if not (result.get("out_of_memory") and shrink_to_fit and micro_batch_size % 2 == 0):
             break
         micro_batch_size //= 2
+    grad_accum_steps = total // (micro_batch_size * cfg["seq_len"])
     return dict(result, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, total_batch_size=total)
 
 
-def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype):
+def time_train_steps(cfg, micro_batch_size, tokens, levers, shard, device, dtype):
+    """train_step timed, tokens per optimizer step in micro-batches of micro_batch_size (train_run)."""
     device_type = device.split(":")[0]
     T = cfg["seq_len"]
-    tokens = micro_batch_size * grad_accum_steps * T  # per optimizer step
 
     def measure(model, trainable, loader):
         if device_type == "cuda":
@@ -400,12 +399,12 @@ def time_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, dev
         return dict(tokens_per_sec=tokens / seconds, ms_per_step=1000 * seconds,
                     mfu=model.flops_per_token(T) * tokens / seconds / peak if peak else None,
                     peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
-    return train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure)
+    return train_run(cfg, micro_batch_size, tokens, levers, shard, device, dtype, measure)
 
 
-def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure):
-    """measure(model, trainable, loader) of a fresh model's Trainable and a loader of micro_batch_size:
-    its dict, or {"out_of_memory": True}, or {"error": why}."""
+def train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure):
+    """measure(model, trainable, loader) of a fresh model's Trainable, whose steps take tokens_per_step
+    tokens, and a loader of micro_batch_size: its dict, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
@@ -415,7 +414,6 @@ def train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dt
     # Inductor reads its settings when it compiles, on the first step: set for the whole run.
     with torch._inductor.config.patch(levers["inductor"]):
         try:
-            tokens_per_step = micro_batch_size * grad_accum_steps * cfg["seq_len"]
             step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
                               ScaleConfig(chunked_loss=int(levers["chunked_loss"]), fused_loss=int(levers["fused_loss"])),
                               compile_mode=levers["compile"])
@@ -460,11 +458,11 @@ def profile_steps(cfg):
     return min(cfg["steps"], 3)
 
 
-def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, trace):
+def profile_train_steps(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, trace):
     """train_step profiled for profile_steps(cfg) steps after max(1, --warmup) untimed ones (each
-    grad_accum_steps micro-steps); the Chrome trace written to trace. Returns the figures of
-    profile_table, with the number of steps and where the trace is, or {"out_of_memory": True} or
-    {"error": why}."""
+    tokens_per_step tokens in micro-batches of micro_batch_size); the Chrome trace written to trace.
+    Returns the figures of profile_table, with the number of steps and where the trace is, or
+    {"out_of_memory": True} or {"error": why}."""
     device_type = device.split(":")[0]
     n_steps = profile_steps(cfg)
 
@@ -484,7 +482,7 @@ def profile_train_steps(cfg, micro_batch_size, grad_accum_steps, levers, shard, 
             print(f"warning: could not write the trace {trace}: {problem}", file=sys.stderr)
         return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps,
                     trace=None if problem else trace)
-    return train_run(cfg, micro_batch_size, grad_accum_steps, levers, shard, device, dtype, measure)
+    return train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure)
 
 
 def export_trace(prof, path):

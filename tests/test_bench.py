@@ -179,7 +179,7 @@ def test_coordinate_descent_tuning_is_on_for_its_run_only(tmp_path, monkeypatch)
     bench.write_shard(shard, np.zeros(4096, dtype=np.uint16))
     for lever in ("+coordinate_descent", None):
         levers = bench.train_levers("project", lever, compile_model=False)
-        assert "error" in bench.time_train_steps(cfg, 2, 1, levers, shard, "cpu", torch.float32)
+        assert "error" in bench.time_train_steps(cfg, 2, 2 * cfg["seq_len"], levers, shard, "cpu", torch.float32)
     assert seen == [True, False] and inductor.coordinate_descent_tuning is False
 
 
