@@ -303,6 +303,11 @@ class Trainable:
         """The training forward's keywords that pick how the loss is computed (ScaleConfig)."""
         return dict(chunked_loss=bool(self.config.scale.chunked_loss), fused_loss=bool(self.config.scale.fused_loss))
 
+    def ddp(self):
+        """The DDP wrapper the forward runs through (under torch.compile's), or None."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        return model if isinstance(model, DDP) else None
+
     def forward_context(self):
         """Autocast, for one forward pass (and the backward it records)."""
         return autocast(self.device.split(":")[0], self.config.dtype)
@@ -329,7 +334,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
     raises StepOutOfMemory, the weights and optimizer untouched and the loader back at the step's
     start. A stop never waits for a long step (torchrun SIGKILLs)."""
-    ddp = isinstance(getattr(trainable.model, "_orig_mod", trainable.model), DDP)
+    ddp = trainable.ddp() is not None
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     trainable.optimizer.zero_grad(set_to_none=not ddp)
@@ -397,8 +402,8 @@ def train_step_fitting(run, step, lr, stop_requested, auto):
                                          trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
                                          trainable.raw_model.config)
             raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
-        ddp = getattr(trainable.model, "_orig_mod", trainable.model)
-        if isinstance(ddp, DDP):  # its last forward readied an all-reduce no backward will start
+        ddp = trainable.ddp()
+        if ddp is not None:  # its last forward readied an all-reduce no backward will start
             ddp.reducer._reset_state()
         run.train_loader.resize(batch // 2)
         run.cfg = replace(run.cfg, batch=replace(run.cfg.batch, micro_batch_size=batch // 2))  # checkpoints record it
