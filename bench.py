@@ -48,6 +48,7 @@ from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
+from loss import LOSSES, pick_loss
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from train_config import ScaleConfig, TrainConfig
@@ -64,10 +65,10 @@ LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
 # max-autotune-no-cudagraphs, CUDA graphs (torch.compile's reduce-overhead mode) and Inductor's
 # coordinate-descent tuning of its kernels' launch parameters.
 OPT_IN_LEVERS = ("cudnn_attention", "max_autotune", "cuda_graphs", "coordinate_descent")
-# Memory levers, switched on one at a time on any device (the fused loss, a Triton kernel, on
-# CUDA): what --chunked_loss 1, --fused_loss 1 and each --recompute mode cost in time (and, on
-# CUDA, save in peak memory).
-MEMORY_LEVERS = ("chunked_loss", "fused_loss") + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
+# Memory levers, switched on one at a time on any device: each --loss other than the project's own
+# here (fused: CUDA's) and each --recompute mode, what they cost in time (and, on CUDA, save in peak memory).
+LOSS_LEVERS = tuple(f"{kind}_loss" for kind in LOSSES)
+MEMORY_LEVERS = LOSS_LEVERS + tuple(f"recompute_{mode}" for mode in RECOMPUTE[1:])
 ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
 # train times the trainer's optimizer step: total_batch_size / (B*T) micro-steps. The GPU size's
 # total is the trainer's default (its config owns the number); on a CPU and with --quick, where
@@ -155,7 +156,8 @@ def parse_args(argv=None):
     idle = set(args.levers) - set(levers_that_apply(compiles(args, device_type), device_type))
     if idle and args.levers != ALL_LEVERS:  # named, not just all of them
         p.error(f"--levers: {', '.join(sorted(idle))}: not a lever of the project on {device_type} "
-                f"(compile: where it compiles; fused_adamw, fused_loss, cudnn_attention, max_autotune: CUDA)")
+                f"(compile: where it compiles; fused_adamw, fused_loss, cudnn_attention, max_autotune: CUDA; "
+                f"a loss: where it is not the project's own)")
     if cfg["warmup"] < 0:
         p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
     if "train" in args.parts:
@@ -312,10 +314,12 @@ def train_runs(args, compile_model, device_type):
 
 def levers_that_apply(compile_model, device_type):
     """Compile is only switched off where the project compiles, fused AdamW where it is used (CUDA);
-    the opt-in levers and the fused loss are CUDA's, and all but cuDNN attention and the fused
-    loss are compile's."""
+    a loss where it is not the project's own (--loss auto's pick), the fused one on CUDA; the opt-in
+    levers are CUDA's, and all but cuDNN attention are compile's."""
     on_cuda = device_type == "cuda"
-    applies = {"compile": compile_model, "fused_adamw": on_cuda, "cudnn_attention": on_cuda, "fused_loss": on_cuda,
+    own_loss = pick_loss("auto", device_type)
+    applies = {"compile": compile_model, "fused_adamw": on_cuda, "cudnn_attention": on_cuda,
+               **{f"{kind}_loss": kind != own_loss and (kind != "fused" or on_cuda) for kind in LOSSES},
                **{lever: on_cuda and compile_model for lever in ("max_autotune", "cuda_graphs", "coordinate_descent")}}
     return [lever for lever in ALL_LEVERS if applies.get(lever, True)]
 
@@ -357,13 +361,12 @@ def train_levers(variant, lever, compile_model):
     """The build_trainable arguments and vocabulary of one run: the project's levers, all off for
     the baseline, or one switched off (-name) or on (+name)."""
     if variant == "baseline":
-        return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math", chunked_loss=False,
-                    fused_loss=False, recompute="none", inductor={})
+        return dict(compile=None, fused_adamw=False, vocab_size=N_VOCAB, attention="math", loss="masked",
+                    recompute="none", inductor={})
     levers = dict(compile="default" if compile_model else None, fused_adamw=None, vocab_size=PADDED_VOCAB,
-                  attention="auto", chunked_loss=False, fused_loss=False, recompute="none", inductor={})
+                  attention="auto", loss="auto", recompute="none", inductor={})
     off = {"-compile": dict(compile=None), "-fused_adamw": dict(fused_adamw=False), "-padded_vocab": dict(vocab_size=N_VOCAB),
-           "-flash_attention": dict(attention="math"), "+chunked_loss": dict(chunked_loss=True),
-           "+fused_loss": dict(fused_loss=True),
+           "-flash_attention": dict(attention="math"), **{f"+{kind}_loss": dict(loss=kind) for kind in LOSSES},
            "+cudnn_attention": dict(attention="cudnn"), "+max_autotune": dict(compile="max-autotune-no-cudagraphs"),
            "+cuda_graphs": dict(compile="reduce-overhead"),
            "+coordinate_descent": dict(inductor={"coordinate_descent_tuning": True}),
@@ -415,7 +418,7 @@ def train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dty
     with torch._inductor.config.patch(levers["inductor"]):
         try:
             step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                              ScaleConfig(chunked_loss=int(levers["chunked_loss"]), fused_loss=int(levers["fused_loss"])),
+                              ScaleConfig(loss=levers["loss"]),
                               compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))

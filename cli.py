@@ -36,6 +36,21 @@ def setting(default, help, **flag):
     return field(default=default, metadata={"help": help, **flag})
 
 
+class Retired(argparse.Action):
+    """A flag that is gone (add_argument(..., action=Retired, instead=TEXT)): given on the command line,
+    or as a config file's key (Parser.config_defaults), it is one usage error saying what to use instead."""
+
+    def __init__(self, option_strings, dest, instead, **kwargs):
+        super().__init__(option_strings, dest, **{**kwargs, "nargs": "?", "help": argparse.SUPPRESS})
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(self.message())
+
+    def message(self):
+        return f"{self.option_strings[0]} is gone: {self.instead}"
+
+
 def check_positive(config, *names):
     """ValueError naming the first of config's fields names that is not above 0 (a NaN is not)."""
     for name in names:
@@ -150,6 +165,8 @@ class Parser(argparse.ArgumentParser):
             action = flags.get(key)
             if action is None or key in not_keys or key == "help":
                 self.error(f"{path}: unknown key {key!r} (not one of the flags' long names)")
+            if isinstance(action, Retired):
+                self.error(f"{path}: {key}: {action.message()}")
             values[key] = value = as_switch(action, value)
             problem = value_problem(action, value)
             if problem:

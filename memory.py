@@ -21,9 +21,9 @@ import torch
 from devices import auto_device_type, device_memory, pick_dtype, resolve_compile
 from distributed import agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
-from fused_loss import CHUNK as FUSED_CHUNK
-from model import LOSS_CHUNK, GPTConfig
-from tokenizer import PADDED_VOCAB
+from loss import CHUNK, LOSSES, pick_loss
+from model import GPTConfig
+from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
@@ -96,23 +96,25 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
     return batch * seq_len * (blocks + top)
 
 
-def logits_bytes(config, batch, seq_len, chunked_loss, a=2, compiled=False, fused_loss=False):
-    """The loss's peak, by what model.py's loss does with the (positions, vocab) logits:
-    - fused (fused_loss.py): one chunk's logits in the autocast dtype alone, their gradient written
-      over them, plus the head's float32 gradient it keeps for the backward (head_gradient_bytes);
-    - chunked: one chunk's logits in the autocast dtype, their float32 copy and its gradient, plus
-      the same;
-    - eager: three float32 tensors at the backward's peak (the log-softmax, the gradient it gets
-      and the one it passes back), whatever the dtype;
-    - compiled: the logits in the autocast dtype alone. The compiled loss fuses the mask, the
+def logits_bytes(config, batch, seq_len, loss, a=2, compiled=False):
+    """The peak of the loss (one of loss.LOSSES), by what it does with the (positions, vocab) logits:
+    - fused: one chunk's logits in the autocast dtype alone, their gradient written over them, plus
+      the head's float32 gradient it keeps for the backward (head_gradient_bytes);
+    - chunked: the same, and the float32 copy of the chunk's real columns that torch's row kernel
+      turns into their gradient in place (none in float32, where the buffer is that copy);
+    - masked, eager: three float32 tensors at the backward's peak (the log-softmax, the gradient it
+      gets and the one it passes back), whatever the dtype;
+    - masked, compiled: the logits in the autocast dtype alone. The compiled loss fuses the mask, the
       float32 cast and the softmax, keeping no float32 copy; with this term the plan's total equals
       the one peak measured compiled (docs/scaling.md), so it carries whatever the activation
       term counts beyond what a compiled model keeps."""
-    if fused_loss:
-        return min(batch * seq_len, FUSED_CHUNK) * config.vocab_size * a + head_gradient_bytes(config)
-    if chunked_loss:
-        return min(batch * seq_len, LOSS_CHUNK) * config.vocab_size * (a + 8) + head_gradient_bytes(config)
-    return batch * seq_len * config.vocab_size * (a if compiled else 12)
+    if loss not in LOSSES:
+        raise ValueError(f"the plan needs the loss the run computes, one of {', '.join(LOSSES)}, not {loss!r}")
+    if loss == "masked":
+        return batch * seq_len * config.vocab_size * (a if compiled else 12)
+    rows = min(batch * seq_len, CHUNK)
+    copy = rows * min(config.vocab_size, N_VOCAB) * 4 if loss == "chunked" and a < 4 else 0
+    return rows * config.vocab_size * a + copy + head_gradient_bytes(config)
 
 
 def head_gradient_bytes(config):
@@ -121,9 +123,9 @@ def head_gradient_bytes(config):
     return 4 * config.vocab_size * config.n_embd
 
 
-def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=2, optimizer="adamw", compiled=False):
+def plan(config, batch, seq_len, scale=ScaleConfig(loss="masked"), world_size=1, dtype_bytes=2, optimizer="adamw", compiled=False):
     """The memory one GPU needs for a training step of a GPT of config, batch sequences of seq_len
-    a micro-step, with scale's levers (FSDP over world_size ranks, recompute, the chunked loss),
+    a micro-step, with scale's levers (FSDP over world_size ranks, recompute, the loss: not auto),
     compiled or eager, split as Plan's fields. ValueError for sizes whose total is past a float's
     range: no figure in GiB can be printed for them."""
     P = n_params(config)
@@ -140,7 +142,7 @@ def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, dtype_bytes=
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
                     activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, scale.chunked_loss, dtype_bytes, compiled, scale.fused_loss))
+                    logits_bytes(config, batch, seq_len, scale.loss, dtype_bytes, compiled))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -151,7 +153,7 @@ def fit_problem(config, device, world_size=1, fsdp=False):
     alone (16 bytes a parameter, over the ranks under FSDP) exceed the device's memory. Asked before
     allocating: a typo in a size would otherwise be an out-of-memory crash or hours of swapping."""
     try:
-        estimate = plan(config, 1, 1, ScaleConfig(fsdp=fsdp), world_size, dtype_bytes=4)
+        estimate = plan(config, 1, 1, ScaleConfig(fsdp=fsdp, loss="masked"), world_size, dtype_bytes=4)
     except ValueError as e:  # past a float's range: past any device too
         return str(e)
     need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
@@ -254,15 +256,18 @@ def print_plan(cfg):
     world_size = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
     device_type = "cuda" if cfg.gpu_memory else auto_device_type() if cfg.runtime.device == "auto" else \
         cfg.runtime.device.split(":")[0]
-    if device_type == "cuda" and cfg.runtime.dtype == "auto" and (cfg.gpu_memory or not torch.cuda.is_available()):
-        dtype = torch.bfloat16  # a plan for a GPU this machine lacks: an Ampere or later
+    elsewhere = device_type == "cuda" and bool(cfg.gpu_memory or not torch.cuda.is_available())  # a GPU this machine lacks
+    if elsewhere and cfg.runtime.dtype == "auto":
+        dtype = torch.bfloat16  # an Ampere or later
     else:
         dtype = pick_dtype(cfg.runtime.dtype, device_type)
     compiled = resolve_compile(cfg.runtime.compile, device_type, log=lambda message: None)
     card = cfg.gpu_memory * GiB if cfg.gpu_memory else free_memory("cuda") if device_type == "cuda" and \
         torch.cuda.is_available() else None
-    batch, scale = cfg.batch, cfg.scale
     try:
+        # On a GPU this machine lacks, with Triton: torch's CUDA builds bring it.
+        cfg = replace(cfg, scale=replace(cfg.scale, loss=pick_loss(cfg.scale.loss, device_type, elsewhere or None)))
+        batch, scale = cfg.batch, cfg.scale
         if cfg.world_size_problem(world_size):
             raise ValueError(cfg.world_size_problem(world_size))
         if batch.micro_batch_size != "auto":
@@ -283,8 +288,8 @@ def print_plan(cfg):
     precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
     print(f"{n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
           f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
-          f"{'compiled' if compiled else 'eager'}, micro-batch {micro_batch}x{batch.seq_len}, chunked loss "
-          f"{scale.chunked_loss}, {'fused loss 1, ' if scale.fused_loss else ''}optimizer {cfg.optimizer.name}; "
+          f"{'compiled' if compiled else 'eager'}, micro-batch {micro_batch}x{batch.seq_len}, {scale.loss} "
+          f"loss, optimizer {cfg.optimizer.name}; "
           f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
     if choice:
@@ -304,30 +309,30 @@ def largest_batch(config, gib, scale, world_size=1):
 
 
 def preset_model(name):
-    """(GPTConfig, chunked_loss) of the preset configs/NAME.toml: its model flags over the
-    trainer's defaults, GPT-2 (124M) at the padded vocabulary."""
+    """(GPTConfig, loss) of the preset configs/NAME.toml: its model flags over the trainer's
+    defaults, GPT-2 (124M) at the padded vocabulary, and the loss it computes on a GPU."""
     values = read_config(preset_path(name))
     fields = {key: values[key] for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout")
               if key in values}
-    return GPTConfig(**{"vocab_size": PADDED_VOCAB, **fields}), bool(values.get("chunked_loss", 0))
+    return GPTConfig(**{"vocab_size": PADDED_VOCAB, **fields}), pick_loss(values.get("loss", "auto"), "cuda", True)
 
 
 def presets_table(gpus=(24, 40, 80), world_size=8):
     """Markdown: for each preset, what -B auto picks on one GPU, and the largest micro-batch per GPU
     under DDP and FSDP, without and with full recompute, compiled in bfloat16, with the preset's
-    loss (chunked from gpt2-large on) and batch."""
+    loss on a GPU (fused, --loss auto's there) and batch."""
     ways = [("DDP", dict(), 1), ("DDP, recompute full", dict(recompute="full"), 1),
             (f"FSDP ×{world_size}", dict(fsdp=True), world_size),
             (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, recompute="full"), world_size)]
     lines = ["| model | params | GPU | `-B auto` | " + " | ".join(name for name, _, _ in ways) + " |",
              "|---" * (4 + len(ways)) + "|"]
     presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
-    for name, (config, chunked_loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
+    for name, (config, loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
         total = read_config(preset_path(name)).get("total_batch_size", BatchConfig().total_batch_size)
-        run = TrainConfig(model=config, batch=BatchConfig(total), scale=ScaleConfig(chunked_loss=chunked_loss))
+        run = TrainConfig(model=config, batch=BatchConfig(total), scale=ScaleConfig(loss=loss))
         for gib in gpus:
             batches = [pick_micro_batch(run, 1, gib * GiB, 2, compiled=True)[0] or "—"]
-            batches += [largest_batch(config, gib, ScaleConfig(chunked_loss=chunked_loss, **levers), ranks) or "—"
+            batches += [largest_batch(config, gib, ScaleConfig(loss=loss, **levers), ranks) or "—"
                         for _, levers, ranks in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import generate
 from cli import brief, setting
-from fused_loss import fused_cross_entropy
+from loss import LOSSES, chunked_cross_entropy, masked_cross_entropy
 from tokenizer import N_VOCAB
 
 
@@ -53,7 +53,6 @@ PRETRAINED = {
 # What a block recomputes in the backward pass instead of keeping its activations (PaddleFleetX's
 # granularities): nothing, the whole block, the attention sublayer (ln_1 to c_proj), or only SDPA.
 RECOMPUTE = ("none", "full", "attn", "core_attn")
-LOSS_CHUNK = 4096  # positions whose logits the chunked loss computes at once (800 MB in float32 at 50304)
 
 # Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -79,65 +78,6 @@ def recomputed(fn, on):
     """fn, or, when on and gradients are being recorded, fn run again in the backward pass instead
     of its activations kept. Non-reentrant, the form torch recommends."""
     return partial(checkpoint, fn, use_reentrant=False) if on and torch.is_grad_enabled() else fn
-
-
-def cross_entropy(logits, targets, n_tokens):
-    """GPT-2's loss: the mean cross-entropy of logits (..., vocab_size) against targets (..., -1
-    ignored), over the first n_tokens columns. The padding columns take no part (see masked_padding)."""
-    return F.cross_entropy(masked_padding(logits, n_tokens).flatten(0, -2), targets.flatten(), ignore_index=-1)
-
-
-def masked_padding(logits, n_tokens):
-    """logits in float32, with the columns from n_tokens on (the rows padded onto the vocabulary)
-    at -inf: the softmax gives them probability 0 and gradient 0, as a slice would, but a slice
-    makes the loss read a strided copy and write back a zero-padded gradient (17% of a GPU step)."""
-    if logits.size(-1) > n_tokens:
-        logits = logits.masked_fill(torch.arange(logits.size(-1), device=logits.device) >= n_tokens, float("-inf"))
-    return logits.float()
-
-
-def chunked_cross_entropy(x, weight, targets, n_tokens, chunk=LOSS_CHUNK):
-    """cross_entropy(x @ weight.T, targets, n_tokens) for hidden states x (B, T, C), computed
-    chunk positions at a time with its gradients (see LinearCrossEntropy): no (B*T, vocab) tensor
-    is ever whole. In autocast's dtype under autocast, else in x's."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    with torch.autocast(device, enabled=False):
-        total = LinearCrossEntropy.apply(x.flatten(0, 1).to(dtype), weight.to(dtype), targets.flatten(), n_tokens,
-                                         chunk, with_grads)
-    return total / (targets != -1).sum()
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """The summed cross-entropy of x @ weight.T against targets (-1 ignored), chunk rows at a
-    time. Each chunk's gradients are computed in the forward pass, while its logits are at hand,
-    and kept for the backward: the head's matmul is neither whole nor computed twice."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets, n_tokens, chunk, with_grads):
-        total = torch.zeros((), device=x.device)
-        grad_x = torch.empty_like(x) if with_grads else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
-        for i in range(0, len(x), chunk):
-            xc, tc = x[i:i + chunk], targets[i:i + chunk]
-            logits = masked_padding(xc @ weight.T, n_tokens)
-            lse = logits.logsumexp(dim=-1)
-            real = tc != -1
-            tc = tc.clamp(min=0)[:, None]  # ignored positions pick column 0, then count for nothing
-            total += ((lse - logits.gather(1, tc).squeeze(1)) * real).sum()
-            if with_grads:  # d(loss)/d(logits): softmax minus the one-hot target
-                grad = (logits - lse[:, None]).exp_().scatter_add_(1, tc, -torch.ones_like(tc, dtype=logits.dtype))
-                grad = (grad * real[:, None]).to(x.dtype)
-                grad_x[i:i + chunk] = grad @ weight
-                grad_weight += (grad.T @ xc).float()
-        ctx.save_for_backward(grad_x, grad_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_total.to(grad_x.dtype), (grad_weight * grad_total).to(grad_x.dtype), None, None, None, None
 
 
 class CausalSelfAttention(nn.Module):
@@ -250,21 +190,20 @@ class GPT(nn.Module):
         """Ids the model may emit: the vocabulary less the rows padded on for speed."""
         return min(self.config.vocab_size, N_VOCAB)
 
-    def forward(self, idx, targets=None, kv_cache=None, n_pad=None, chunked_loss=False, fused_loss=False):
+    def forward(self, idx, targets=None, kv_cache=None, n_pad=None, loss_kind="masked"):
         """idx (B, T) token ids -> logits (B, T, n_tokens) and the mean cross-entropy
         against targets (B, T), where a target of -1 is ignored. kv_cache, n_pad: see hidden_states.
-        chunked_loss or fused_loss (training; not both): the same loss by chunked_cross_entropy or by
-        fused_loss.fused_cross_entropy (Triton), and no logits."""
-        if chunked_loss and fused_loss:
-            raise ValueError("chunked_loss and fused_loss are two ways to compute one loss: choose one")
+        loss_kind: how the loss is computed (loss.py): masked, or chunked or fused (training), which
+        give the same loss without ever holding the logits, and return none."""
         x = self.hidden_states(idx, kv_cache, n_pad)
         if targets is None:
             return self.head(x), None
-        if chunked_loss or fused_loss:
-            loss = fused_cross_entropy if fused_loss else chunked_cross_entropy
-            return None, loss(x, self.lm_head.weight, targets, self.n_tokens)
+        if loss_kind not in LOSSES:
+            raise ValueError(f"loss_kind must be one of {', '.join(LOSSES)}, not {loss_kind!r}")
+        if loss_kind != "masked":
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.n_tokens, loss_kind == "fused")
         logits = self.padded_head(x)
-        return logits[..., : self.n_tokens], cross_entropy(logits, targets, self.n_tokens)
+        return logits[..., : self.n_tokens], masked_cross_entropy(logits, targets, self.n_tokens)
 
     def hidden_states(self, idx, kv_cache=None, n_pad=None):
         """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads.

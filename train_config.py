@@ -13,8 +13,9 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import check_not_negative, check_positive, preset_names, setting
+from cli import Retired, check_not_negative, check_positive, preset_names, setting
 from faults import parse_fault
+from loss import LOSSES
 from model import RECOMPUTE, GPTConfig
 from muon import OptimizerConfig
 from tokenizer import PADDED_VOCAB
@@ -131,17 +132,18 @@ class ScaleConfig:
                                      "its attention sublayer, or only SDPA's core (less memory, more compute)",
                              choices=RECOMPUTE)
     recompute_every: int = setting(1, "recompute in every Nth block only (1: all)")
-    chunked_loss: int = setting(0, "compute the loss and its gradients over chunks of positions, never a (B*T, vocab) "
-                                   "float32 tensor: less memory (on in the presets larger than gpt2-medium)",
-                                choices=[0, 1])
-    fused_loss: int = setting(0, "the head's matmul and the loss in one Triton kernel per chunk of positions "
-                                 "(fused_loss.py, on llm.c's design): no float32 logits at all; opt-in until a GPU "
-                                 "measures it faster", choices=[0, 1])
-
+    loss: str = setting("auto", "how the loss is computed, the same loss each way (loss.py): masked, the logits whole; "
+                                "chunked or fused, a chunk of positions at a time with torch's or Triton's row kernel, "
+                                "never the (B*T, vocab) logits (less memory); auto: fused on CUDA where Triton imports, "
+                                "else masked", choices=("auto",) + LOSSES)
     def __post_init__(self):
         check_positive(self, "recompute_every")
-        if self.chunked_loss and self.fused_loss:
-            raise ValueError("--chunked_loss and --fused_loss are two ways to compute one loss: choose one")
+
+
+# The flags --loss replaced, and what each meant at 1: refused in one line naming --loss, on a command
+# line or in a config file (cli.Retired). A checkpoint's record of them is its run's history, as every
+# flag of its record but the hyperparameters: a resumed run computes the loss as its own --loss says.
+RETIRED_FLAGS = {"chunked_loss": "--loss chunked", "fused_loss": "--loss fused"}
 
 
 @dataclass(frozen=True)
@@ -288,8 +290,11 @@ def build(kind, values):
 
 def add_flags(parser, config=None):
     """The flags of a TrainConfig's fields, config's values (default: TrainConfig()) their defaults,
-    in one argument group per part."""
+    in one argument group per part; and the retired flags, each refused in one line."""
     config = TrainConfig() if config is None else config
+    for name, meant in RETIRED_FLAGS.items():
+        parser.add_argument(f"--{name}", action=Retired, instead=f"the loss is one setting, --loss "
+                                                                 f"{'|'.join(('auto',) + LOSSES)}; --{name} 1 was {meant}")
     for f, part in parts(type(config)):
         if part is not None:
             group = parser.add_argument_group(f.name, " ".join(part.__doc__.split()).split(". ")[0].rstrip("."))

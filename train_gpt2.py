@@ -39,6 +39,7 @@ from distributed import RunError, agree, every_rank, on_every_rank
 from faults import Faults
 from loading import check_run_sources, load_model
 from logdir import MetricsLog
+from loss import pick_loss
 from model import GPT
 from muon import OptimizerConfig, build_optimizer, describe, muon_lr
 from tokenizer import get_encoding
@@ -107,6 +108,10 @@ def setup(cfg):
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
+    try:
+        cfg = replace(cfg, scale=replace(cfg.scale, loss=pick_loss(cfg.scale.loss, device.split(":")[0])))
+    except ValueError as e:
+        raise RunError(str(e)) from None
     if cfg.init_from == "scratch":  # a loaded model is as big as it is
         unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))
         agree(f"{unfit} (see --plan)" if unfit else None)
@@ -285,7 +290,7 @@ class StepConfig:
     dtype: torch.dtype  # autocast's; float32 is none
     tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
     optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
-    scale: ScaleConfig = ScaleConfig()  # FSDP, and the chunked loss (recompute is the model's own)
+    scale: ScaleConfig = ScaleConfig(loss="masked")  # FSDP, and the loss (recompute is the model's own)
     compile_mode: str | None = None  # None: eager
 
 
@@ -300,8 +305,8 @@ class Trainable:
     config: StepConfig  # what it was built with: the dtype, step size, clipping and loss its steps use
 
     def loss_options(self):
-        """The training forward's keywords that pick how the loss is computed (ScaleConfig)."""
-        return dict(chunked_loss=bool(self.config.scale.chunked_loss), fused_loss=bool(self.config.scale.fused_loss))
+        """The training forward's keywords that pick how the loss is computed (ScaleConfig.loss)."""
+        return dict(loss_kind=self.config.scale.loss)
 
     def ddp(self):
         """The DDP wrapper the forward runs through (under torch.compile's), or None."""
@@ -333,7 +338,8 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
     [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
     raises StepOutOfMemory, the weights and optimizer untouched and the loader back at the step's
-    start. A stop never waits for a long step (torchrun SIGKILLs)."""
+    start. A stop never waits for a long step (torchrun SIGKILLs). A gradient of norm exactly 0 at a
+    finite loss, which no working configuration gives, is a RunError on every rank before the step."""
     ddp = trainable.ddp() is not None
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
@@ -374,6 +380,9 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     norm = clip_grad_norm(trainable.raw_model.parameters(), trainable.config.optimizer.grad_clip)
     loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
     loss = loss_sum / distributed.world_size()
+    if norm == 0 and math.isfinite(loss):  # no correct configuration gives an exact 0: refused before it steps
+        raise RunError(f"no parameter received a gradient (the gradient norm is exactly 0 at loss {loss:.4f}) under "
+                       f"--loss {trainable.config.scale.loss}: this configuration trains nothing")
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
     if not skipped:
@@ -437,7 +446,8 @@ def build_trainable(raw_model, device, config, init=None):
     the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (muon.build_optimizer). How the model runs (recompute, attention) is its
-    own: see setup."""
+    own: see setup. The loss is config's, auto resolved for device (loss.pick_loss)."""
+    config = replace(config, scale=replace(config.scale, loss=pick_loss(config.scale.loss, device.split(":")[0])))
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")

@@ -12,9 +12,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 PEERS=${PEERS:-.peers}
 KILL_AFTER=5  # seconds from a job's timeout to its SIGKILL, if SIGTERM did not end it
-# The loss variants timed beside the project's default, the masked loss compiled: bench.py's
-# lever names.
-LOSS_VARIANTS=chunked_loss,fused_loss
+# The loss variants timed beside the project's default on CUDA, the fused loss: bench.py's lever names.
+LOSS_VARIANTS=masked_loss,chunked_loss
 
 run() {  # run NAME SECONDS COMMAND...: the command, its output and its exit code in OUT/NAME.log
     local name=$1 seconds=$2

@@ -13,7 +13,7 @@ from helpers import make_hf_gpt2, write_token_shards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test that reaches for the hub fails fast
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Without a GPU, Triton's kernels (fused_loss.py) run in its interpreter, on CPU tensors. Set here, before
+# Without a GPU, Triton's kernels (loss.py) run in its interpreter, on CPU tensors. Set here, before
 # anything imports triton (torch._dynamo does); not where CUDA is, where inductor's kernels would be interpreted too.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,5 +1,6 @@
 """What the tests share beside pytest's fixtures (conftest.py): tiny models, tiny data, and
 running the repository's scripts as a user would. Everything runs offline."""
+import importlib.util
 import json
 import os
 import pickle
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (pip install triton)")
+# Triton's interpreter, which runs its kernels on CPU tensors, is on where there is no GPU (conftest.py).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton's interpreter is off: conftest.py sets it only where there is no GPU")
 
 
 def make_hf_gpt2(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=128, seed=0, **config):

@@ -158,7 +158,7 @@ def test_levers_named_are_timed_in_the_tables_order():
         ("project", "+recompute_full")]
     on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
     assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
-                                                   "+chunked_loss", "+fused_loss", "+recompute_full", "+recompute_attn",
+                                                   "+masked_loss", "+chunked_loss", "+recompute_full", "+recompute_attn",
                                                    "+recompute_core_attn", "+cudnn_attention", "+max_autotune",
                                                    "+cuda_graphs", "+coordinate_descent"]
 
@@ -230,11 +230,11 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     assert {r["total_batch_size"] for r in results} == {2 * 8 * 64}
     assert all(r["tokens_per_sec"] > 0 for r in results)
     levers = [(kw["attention"], step.optimizer.fused_adamw, step.compile_mode, model.config.vocab_size,
-               step.scale.chunked_loss, kw["recompute"]) for (model, _, step), kw in built]
-    project, baseline = ("auto", None, None, 50304, False, "none"), ("math", False, None, 50257, False, "none")
-    assert levers == [project, baseline, baseline, baseline, ("auto", None, None, 50257, False, "none"),
-                      ("math", None, None, 50304, False, "none"), ("auto", None, None, 50304, True, "none"),
-                      *[("auto", None, None, 50304, False, mode) for mode in ("full", "attn", "core_attn")]]
+               step.scale.loss, kw["recompute"]) for (model, _, step), kw in built]
+    project, baseline = ("auto", None, None, 50304, "auto", "none"), ("math", False, None, 50257, "masked", "none")
+    assert levers == [project, baseline, baseline, baseline, ("auto", None, None, 50257, "auto", "none"),
+                      ("math", None, None, 50304, "auto", "none"), ("auto", None, None, 50304, "chunked", "none"),
+                      *[("auto", None, None, 50304, "auto", mode) for mode in ("full", "attn", "core_attn")]]
     assert {(accum, B) for accum, B in stepped} == {(2, 8), (4, 4), (8, 2)}
     assert set(flash) == {("auto", True), ("math", False)}
 

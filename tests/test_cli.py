@@ -30,13 +30,13 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("compile = 0\nhellaswag = false\nfsdp = true\nchunked_loss = 1", ("0", 0, 1, 1)),
-    ("compile = true\nhellaswag = 0\nfsdp = false\nchunked_loss = true", ("1", 0, 0, 1)),
-    ("compile = 'auto'", ("auto", 1, 0, 0)),
+    ("compile = 0\nhellaswag = false\nfsdp = true", ("0", 0, 1)),
+    ("compile = true\nhellaswag = 0\nfsdp = false", ("1", 0, 0)),
+    ("compile = 'auto'", ("auto", 1, 0)),
 ])
 def test_a_switch_in_a_config_takes_tomls_true_false_1_and_0(tmp_path, text, expected):
     cfg = train_gpt2.parse_args(["--config", write(tmp_path / "run.toml", text)])
-    assert (cfg.runtime.compile, cfg.eval.hellaswag, cfg.scale.fsdp, cfg.scale.chunked_loss) == expected
+    assert (cfg.runtime.compile, cfg.eval.hellaswag, cfg.scale.fsdp) == expected
     assert type(cfg.eval.hellaswag) is int and type(cfg.runtime.compile) is str
 
 
@@ -48,7 +48,8 @@ def test_every_preset_is_a_valid_config():
 def test_the_typed_config_holds_every_flag_and_gives_each_back():
     """TrainConfig has a field for every flag of the trainer, each value the one parsed: a flag
     added to the parser but not to the config (or the other way round) fails here."""
-    dests = [a.dest for a in train_gpt2.build_parser()._actions if a.option_strings and a.dest != "help"]
+    dests = [a.dest for a in train_gpt2.build_parser()._actions
+             if a.option_strings and a.dest != "help" and not isinstance(a, cli.Retired)]
     argv = ["--n_layer", "3", "-B", "5", "--max_lr", "0.5", "--muon_lr", "0.25", "--val_steps", "7", "--keep_last", "2",
             "--recompute", "attn", "--attention", "math", "--fault", "nan@3:1", "--hellaswag_path", "h.jsonl"]
     cfg = train_gpt2.parse_args(argv)
@@ -82,8 +83,6 @@ def test_the_default_config_is_the_124m_recipe_with_each_setting_declared_once()
     (["--checkpoint_interval", "-2"], "--checkpoint_interval must be -1 (never), 0 (at the end) or more, not -2"),
     (["--val_steps", "0"], "--val_steps must be positive, not 0"),
     (["--async_checkpoint"], "--async_checkpoint writes sharded checkpoints: it needs --fsdp 1"),
-    (["--chunked_loss", "1", "--fused_loss", "1"], "--chunked_loss and --fused_loss are two ways to compute one loss: "
-                                                   "choose one"),
 ])
 def test_a_value_its_parts_check_refuses_is_a_usage_error_naming_the_flag(capsys, flags, expected):
     """Each part of the config checks its own fields (__post_init__), before anything is built."""

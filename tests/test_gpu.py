@@ -1,6 +1,6 @@
-"""What only a GPU shows: the compiled bf16 step against eager, the attention kernel a compiled
-model really runs, the loss as training computes it, FSDP on one GPU, and generation's KV cache in
-bf16. Every test is marked cuda: `python -m pytest -m cuda` runs them where CUDA is, and they are
+"""What only a GPU shows: the compiled bf16 step against eager under each loss, the attention kernel
+a compiled model really runs, each loss as training computes it, FSDP on one GPU, and generation's
+KV cache in bf16. Every test is marked cuda: `python -m pytest -m cuda` runs them where CUDA is, and they are
 skipped elsewhere. Tolerances are bf16's: about 3 significant digits."""
 import pytest
 import torch
@@ -8,6 +8,7 @@ from torch.nn.attention import SDPBackend
 
 import train_gpt2
 from helpers import TINY, read_log, run_torchrun, train_records, write_token_shards
+from loss import LOSSES
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import ScaleConfig
@@ -48,20 +49,25 @@ class FixedBatches:
         self.i = state["i"]
 
 
-def losses_of(compile_mode, chunked_loss=False, steps=3):
+def losses_of(compile_mode, loss="masked", steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    step = train_gpt2.StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(chunked_loss=int(chunked_loss)),
+    step = train_gpt2.StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(loss=loss),
                                  compile_mode=compile_mode)
     t = train_gpt2.build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
-    return [train_gpt2.train_step(t, loader, 1e-3).loss for _ in range(steps)]
+    return [train_gpt2.train_step(t, loader, 1e-3) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("chunked_loss", [False, True])
-def test_the_compiled_bf16_step_matches_eager(chunked_loss):
+@pytest.mark.parametrize("loss", LOSSES)
+def test_the_compiled_bf16_step_matches_eager(loss):
+    """Each loss, eager and compiled, against the eager masked loss: the same losses and gradient
+    norms within bf16's tolerance, and gradients that are there."""
     eager = losses_of(None)
-    assert losses_of("default", chunked_loss) == pytest.approx(eager, rel=1e-2)
+    for compile_mode in (None, "default"):
+        steps = losses_of(compile_mode, loss)
+        assert [s.loss for s in steps] == pytest.approx([s.loss for s in eager], rel=1e-2)
+        assert [s.grad_norm for s in steps] == pytest.approx([s.grad_norm for s in eager], rel=5e-2)
 
 
 def attention_kernels(kernels):
@@ -84,8 +90,11 @@ def test_the_attention_kernel_chosen_is_the_one_that_runs_under_compile():
                    for word in ("flash", "fmha", "attention", "sdpa"))
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_compiled_bf16_loss_matches_the_sliced_float32_reference(chunked):
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_bf16_loss_matches_the_sliced_float32_reference(loss, compiled):
+    """The loss and every parameter's gradient, in bf16 autocast, eager and compiled, against float32
+    logits sliced to the real vocabulary: within bf16's error, and never a gradient of zero."""
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
     idx, targets = (t.cuda() for t in batch())
@@ -98,10 +107,11 @@ def test_the_compiled_bf16_loss_matches_the_sliced_float32_reference(chunked):
     logits = torch.nn.functional.linear(model.hidden_states(idx), model.lm_head.weight)[..., :N_VOCAB]
     expected_loss, expected = gradients(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     with torch.autocast("cuda", torch.bfloat16):
-        loss = torch.compile(model)(idx, targets, chunked_loss=chunked)[1]
+        loss = (torch.compile(model) if compiled else model)(idx, targets, loss_kind=loss)[1]
     got_loss, grads = gradients(loss)
     assert got_loss == pytest.approx(expected_loss, rel=1e-2)
     for name, grad in expected.items():
+        assert grads[name].norm() > 0, name
         assert (grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
 
 

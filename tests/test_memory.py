@@ -9,15 +9,21 @@ import torch
 import torch.nn.functional as F
 
 import devices
-import fused_loss
+import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from helpers import REPO, exit_message, run_script
+from helpers import REPO, exit_message, interpreted, needs_triton, run_script
 from model import GPT, GPTConfig, RECOMPUTE
+from tokenizer import N_VOCAB
 from train_config import ScaleConfig
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
+
+
+def on_a_gpu(cfg):
+    """cfg with its --loss auto resolved as the trainer resolves it on a GPU (with Triton)."""
+    return replace(cfg, scale=replace(cfg.scale, loss=loss.pick_loss(cfg.scale.loss, "cuda", triton=True)))
 
 
 def gradients(model, idx, **forward):
@@ -78,7 +84,7 @@ def test_the_activation_estimate_matches_what_the_model_saves(mode, every, dropo
     for block in model.transformer.h:
         block.attn.dropout = 0.0
     B, T = 2, 64
-    measured = saved_for_backward(model, torch.randint(0, config.vocab_size, (B, T)), chunked_loss=True)
+    measured = saved_for_backward(model, torch.randint(0, config.vocab_size, (B, T)), loss_kind="chunked")
     estimate = memory.activation_bytes(config, B, T, mode, every, a=4) + memory.head_gradient_bytes(CONFIG)
     assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
@@ -117,7 +123,7 @@ def test_parameter_count_of_every_preset():
 def test_memory_reads_each_preset_as_the_trainer_does():
     for name in preset_names():
         cfg = train_gpt2.parse_args(["--preset", name])
-        assert memory.preset_model(name) == (cfg.model, bool(cfg.scale.chunked_loss)), name
+        assert memory.preset_model(name) == (cfg.model, loss.pick_loss(cfg.scale.loss, "cuda", True)), name
 
 
 def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
@@ -126,7 +132,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
                      "--log_dir", str(log_dir), "--data_dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     config, _ = memory.preset_model("gpt2-xl")
-    expected = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, recompute="full", chunked_loss=True), world_size=8)
+    expected = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, recompute="full", loss="fused"), world_size=8)
     assert "8 x cuda under FSDP" in out and "bfloat16 autocast" in out
     assert f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
@@ -187,24 +193,38 @@ def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
 def test_sharding_and_recompute_shrink_the_plan():
     config, _ = memory.preset_model("gpt2-xl")
     ddp = memory.plan(config, 8, 1024)
-    fsdp = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True), world_size=8)
-    recomputed = memory.plan(config, 8, 1024, ScaleConfig(recompute="full"))
-    chunked = memory.plan(config, 8, 1024, ScaleConfig(chunked_loss=True))
+    fsdp = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, loss="masked"), world_size=8)
+    recomputed = memory.plan(config, 8, 1024, ScaleConfig(recompute="full", loss="masked"))
+    chunked = memory.plan(config, 8, 1024, ScaleConfig(loss="chunked"))
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
-    assert chunked.logits - memory.head_gradient_bytes(config) < ddp.logits / 2  # a chunk of 4096 positions, not 8x1024
-    compiled = memory.plan(config, 8, 1024, ScaleConfig(), compiled=True)
+    assert chunked.logits - memory.head_gradient_bytes(config) < ddp.logits / 2  # a chunk of 8192 positions in bf16 and float32: 6 bytes, not 12
+    compiled = memory.plan(config, 8, 1024, ScaleConfig(loss="masked"), compiled=True)
     assert compiled.logits == ddp.logits / 6 and compiled.activations == ddp.activations  # no float32 copy compiled
 
 
 def test_the_fused_loss_plans_one_chunk_of_logits_in_the_autocast_dtype_alone():
     """Its gradient is written over the logits: a bytes a position and column, against the eager
-    masked loss's 12 (three float32 tensors at the backward's peak), for one chunk however many positions."""
+    masked loss's 12 (three float32 tensors at the backward's peak), for one chunk however many
+    positions; the chunked loss adds the float32 copy of the chunk's real columns, in 16 bits only."""
     config, head = GPTConfig(vocab_size=50304), memory.head_gradient_bytes(GPTConfig(vocab_size=50304))
-    batch = fused_loss.CHUNK // 1024  # one chunk's positions
-    fused = memory.logits_bytes(config, batch, 1024, False, fused_loss=True)
-    assert fused - head == memory.logits_bytes(config, batch, 1024, False) * 2 // 12
-    assert memory.logits_bytes(config, 4 * batch, 1024, False, fused_loss=True) == fused
+    batch = loss.CHUNK // 1024  # one chunk's positions
+    fused = memory.logits_bytes(config, batch, 1024, "fused")
+    assert fused - head == memory.logits_bytes(config, batch, 1024, "masked") * 2 // 12
+    assert memory.logits_bytes(config, 4 * batch, 1024, "fused") == fused
+    assert memory.logits_bytes(config, batch, 1024, "chunked") == fused + loss.CHUNK * N_VOCAB * 4
+    assert memory.logits_bytes(config, batch, 1024, "chunked", a=4) == memory.logits_bytes(config, batch, 1024, "fused", a=4)
+
+
+@pytest.mark.parametrize("loss_kind", ["chunked", pytest.param("fused", marks=[needs_triton, interpreted])])
+def test_the_loss_op_keeps_what_the_memory_plan_counts(loss_kind):
+    """For the backward, the head's input gradient in the place of its input, and the head's
+    float32 weight gradient (memory.head_gradient_bytes)."""
+    model = GPT(CONFIG).train()
+    B, T = 2, 24
+    measured = saved_for_backward(model, torch.randint(0, CONFIG.vocab_size, (B, T)), loss_kind=loss_kind)
+    estimate = memory.activation_bytes(CONFIG, B, T, a=4) + memory.head_gradient_bytes(CONFIG)
+    assert estimate == pytest.approx(measured, rel=0.02)  # exact but for a few scalars and int64 ids
 
 
 def test_the_docs_table_is_what_memory_py_prints(capsys):
@@ -233,7 +253,7 @@ def test_plan_picks_the_micro_batch_that_fits_a_gpu_this_machine_lacks(capsys):
     assert micro_batch in (16, 32) and total <= 24
     assert planned(capsys, "--gpu_memory", 80)[0] == 64
     # The same choice as the trainer's (pick_micro_batch), at the largest power of two that fits.
-    cfg = train_gpt2.parse_args(["--gpu_memory", "24", "--plan"])
+    cfg = on_a_gpu(train_gpt2.parse_args(["--gpu_memory", "24", "--plan"]))
     assert memory.pick_micro_batch(cfg, 1, 24 * memory.GiB, 2, compiled=True)[0] == micro_batch
     assert not memory.fits(memory.run_plan(cfg, 2 * micro_batch, 1, 2, True), 24 * memory.GiB)
 
@@ -285,7 +305,7 @@ def test_a_config_file_takes_auto_or_a_number_for_the_micro_batch(tmp_path, caps
 
 
 def test_auto_on_a_gpu_fits_its_free_memory_or_says_it_cannot_read_it(monkeypatch):
-    cfg, logged = train_gpt2.parse_args([]), []
+    cfg, logged = on_a_gpu(train_gpt2.parse_args([])), []
     for free in (24 * memory.GiB, None):
         monkeypatch.setattr(memory, "free_memory", lambda device: free)
         resolved = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)

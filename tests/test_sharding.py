@@ -40,7 +40,7 @@ def test_fsdp_on_two_ranks_trains_as_one_process(shards, tmp_path):
     the same initial weights), the same val loss and the same final weights."""
     (single_dir, single), (fsdp_dir, fsdp) = runs_side_by_side(shards, tmp_path, "--max_steps", "10",
                                                                "--eval_interval", "5", "--val_steps", "2",
-                                                               "--recompute", "attn", "--chunked_loss", "1")
+                                                               "--recompute", "attn", "--loss", "chunked")
     assert_same_run(single, fsdp)
     assert_same_records(single, fsdp, "val_loss", steps=[0, 5, 10])
     assert sorted(listdir(fsdp_dir)) == ["ckpt_000010", "log.jsonl"]
