@@ -104,14 +104,14 @@ def logits_bytes(config, batch, seq_len, loss, a=2, compiled=False):
       turns into their gradient in place (none in float32, where the buffer is that copy);
     - masked, eager: three float32 tensors at the backward's peak (the log-softmax, the gradient it
       gets and the one it passes back), whatever the dtype;
-    - masked, compiled: the logits in the autocast dtype alone. The compiled loss fuses the mask, the
-      float32 cast and the softmax, keeping no float32 copy; with this term the plan's total equals
-      the one peak measured compiled (docs/scaling.md), so it carries whatever the activation
-      term counts beyond what a compiled model keeps."""
+    - masked, compiled: 6 bytes an entry, as if the logits in the autocast dtype and one float32
+      tensor of their size were held at once: fitted to the peak measured at GPT-2 (124M), B=64,
+      bf16 on an H200 (41.2 GiB; docs/scaling.md), how the step's peak splits between the
+      activations and the loss being unmeasured."""
     if loss not in LOSSES:
         raise ValueError(f"the plan needs the loss the run computes, one of {', '.join(LOSSES)}, not {loss!r}")
     if loss == "masked":
-        return batch * seq_len * config.vocab_size * (a if compiled else 12)
+        return batch * seq_len * config.vocab_size * ((a + 4) if compiled else 12)
     rows = min(batch * seq_len, CHUNK)
     copy = rows * min(config.vocab_size, N_VOCAB) * 4 if loss == "chunked" and a < 4 else 0
     return rows * config.vocab_size * a + copy + head_gradient_bytes(config)
