@@ -21,6 +21,7 @@ import gc
 import gzip
 import re
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -46,12 +47,13 @@ import peers
 from muon import OptimizerConfig
 from atomic import atomic_open
 from cli import Parser
-from data import TINY_SHAKESPEARE, ShardLoader, shard_name, write_shard
+from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
 from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
 from loss import LOSSES, pick_loss
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from train_config import ScaleConfig, TrainConfig
+from distributed import RunError
 from train_gpt2 import ATTENTION_KERNELS, StepConfig, StepOutOfMemory, build_trainable, train_step
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
@@ -289,6 +291,43 @@ def train_model_config(cfg, vocab_size):
                      n_embd=cfg["n_embd"])
 
 
+SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
+
+
+def training_problem(losses, grad_norms, reference=None, follow=False):
+    """Why a timed run did not train, or None: a gradient norm of 0 or not finite, a loss not finite,
+    or a loss that does not fall. The project's own run (no reference) must fall; any other must
+    fall at least half as far as reference's losses do over the same steps, and, with follow (the
+    train part's runs share the seed, the init and the data), stay within a quarter of that fall of
+    reference's loss at every step: bf16's noise passes that, a run that trains nothing does not. A
+    reference whose loss did not fall is no reference: the run is judged alone."""
+    for name, values in (("gradient norm", grad_norms), ("loss", losses)):
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v) or (name == "gradient norm" and v == 0)), None)
+        if bad is not None:
+            return f"its {name} at step {bad} is {values[bad]}"
+    fall = losses[0] - losses[-1]
+    expected = reference[0] - reference[-1] if reference else 0
+    if expected <= 0:  # no reference, or one that did not train either: the run alone
+        return None if fall > 0 else f"its loss did not fall: {losses[0]:.4f} to {losses[-1]:.4f}"
+    if fall < expected / 2:
+        return f"its loss fell {fall:.4f} over {len(losses)} steps, the project's {expected:.4f}"
+    apart = max(abs(a - b) for a, b in zip(losses, reference))
+    if follow and apart > expected / 4:
+        return f"its losses strayed {apart:.4f} from the project's, more than a quarter of its fall ({expected:.4f})"
+    return None
+
+
+def judged(result, reference=None, follow=False):
+    """result, a timed run's figures with its losses and grad_norms, as it is reported: where the
+    run did not train (training_problem against reference, the project's run of the same
+    invocation, where result is not itself that), "wrong" says why and no speed is left in it."""
+    problem = training_problem(result["losses"], result["grad_norms"],
+                               reference["losses"] if reference and "losses" in reference else None, follow)
+    if problem is None:
+        return result
+    return {**{k: v for k, v in result.items() if k not in SPEEDS}, "wrong": problem}
+
+
 def time_steps(step, n_warmup, n_steps, device):
     """Median seconds per call of step() after n_warmup untimed calls."""
     times = []
@@ -301,11 +340,13 @@ def time_steps(step, n_warmup, n_steps, device):
     return statistics.median(times)
 
 
-def train_runs(args, compile_model, device_type):
-    """(variant, lever) for each timed run, in order: the project and the baseline, then the
-    project with each lever that --levers names and that applies here switched off (-name) or on
-    (+name)."""
+def train_runs(args, compile_model, device_type, with_levers=True):
+    """(variant, lever) for each timed run, in order: the project and the baseline, then, with_levers,
+    the project with each lever that --levers names and that applies here switched off (-name) or
+    on (+name)."""
     runs = [("project", None)] + [("baseline", None)] * args.baseline
+    if not with_levers:
+        return runs
     applies = levers_that_apply(compile_model, device_type)
     for names, sign in ((LEVERS, "-"), (MEMORY_LEVERS, "+"), (OPT_IN_LEVERS, "+")):
         runs += [("project", sign + lever) for lever in names if lever in args.levers and lever in applies]
@@ -335,9 +376,10 @@ def bench_train(args, device, workdir, record):
     dtype = pick_dtype(args.dtype, device_type)
     compile_model = compiles(args, device_type)
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
-    write_shard(shard, np.random.default_rng(0).integers(0, N_VOCAB, shard_tokens(cfg)))
-    for B in cfg["micro_batch_size"]:
-        for variant, lever in train_runs(args, compile_model, device_type):
+    write_shard(shard, text_tokens(shard_tokens(cfg)))
+    for i, B in enumerate(cfg["micro_batch_size"]):
+        project = None  # the project's run at B: every other run there must train as it does
+        for variant, lever in train_runs(args, compile_model, device_type, with_levers=i == 0):
             levers = train_levers(variant, lever, compile_model)
             result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
             result.update(time_train_run(cfg, B, levers, variant == "baseline", shard, device, dtype))
@@ -346,6 +388,9 @@ def bench_train(args, device, workdir, record):
             result["config"] = (f"L{cfg['n_layer']} C{cfg['n_embd']} B{micro}{halved} T{T} "
                                 f"accum={result['grad_accum_steps']} {str(dtype).split('.')[1]} "
                                 f"compile={int(levers['compile'] is not None)}")
+            if "losses" in result:
+                result = judged(result, project, follow=True)
+                project = project or result
             record(result)
     if args.profile:
         B = cfg["micro_batch_size"][0]
@@ -397,11 +442,14 @@ def time_train_steps(cfg, micro_batch_size, tokens, levers, shard, device, dtype
     def measure(model, trainable, loader):
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        seconds = time_steps(lambda: train_step(trainable, loader, 6e-4), cfg["warmup"], cfg["steps"], device)
+        steps = []  # each step's result, the warm-up's too: whether the run trained is judged on them (judged)
+        seconds = time_steps(lambda: steps.append(train_step(trainable, loader, 6e-4)), cfg["warmup"], cfg["steps"],
+                             device)
         peak = peak_flops(device)
         return dict(tokens_per_sec=tokens / seconds, ms_per_step=1000 * seconds,
                     mfu=model.flops_per_token(T) * tokens / seconds / peak if peak else None,
-                    peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None)
+                    peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None,
+                    losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps])
     return train_run(cfg, micro_batch_size, tokens, levers, shard, device, dtype, measure)
 
 
@@ -424,6 +472,8 @@ def train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dty
             return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
         except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here
             return {"out_of_memory": True}
+        except RunError as e:  # train_step's refusal of a step without gradient: a run that trains nothing
+            return {"wrong": str(e)}
         except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
             first_line = next(iter(str(e).strip().splitlines()), "")
             error = f"{type(e).__name__}: {first_line}"
@@ -790,6 +840,10 @@ def print_table(results):
             return f"{r['config']}: out of memory"
         if key == "config" and "error" in r:
             return f"{r['config']}: failed, {r['error']}"
+        if key == "config" and "wrong" in r:
+            return f"{r['config']}: wrong, {r['wrong']}"
+        if key == "config" and "cudnn" in r:
+            return f"{r['config']}, cuDNN {r['cudnn'].split()[0]}"
         return r[key]
     rows = [[label(r, key) if key in ("name", "variant", "config") else fmt(r.get(key), unit) for _, key, unit in columns]
             for r in results if r["name"] != "profile"]
@@ -845,7 +899,7 @@ def main(argv=None):
         if "generate" in args.parts:
             bench_generate(args, device, record)
         if PEERS in args.parts:
-            peers.bench_peers(peers_config(args), workdir, record)
+            peers.bench_peers(peers_config(args), workdir, record, judged)
     print_table(report["results"])
     for result in report["results"]:
         if result["name"] == "profile":

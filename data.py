@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from atomic import atomic_open
-from tokenizer import N_VOCAB
+from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY_SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")  # the demo corpus
 SHARD_DTYPE = np.dtype("<u2")  # uint16: GPT-2's 50257 ids fit, at two bytes a token
@@ -47,6 +47,14 @@ def write_shard(path, tokens):
             f.write(tokens.data)
     except OSError as e:
         raise OSError(f"{path}: cannot write the shard ({e.strerror or e})") from e
+
+
+def text_tokens(n):
+    """n tokens of Tiny Shakespeare, repeated: text whose loss falls within a few steps, for
+    benchmarks whose timed runs must show that they train (bench.py, peers.py)."""
+    with open(TINY_SHAKESPEARE, encoding="utf-8") as f:
+        tokens = np.array([EOT] + get_encoding().encode_ordinary(f.read()), dtype=SHARD_DTYPE)
+    return np.resize(tokens, n)
 
 
 def list_shards(data_dir, split):

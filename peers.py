@@ -26,11 +26,9 @@ import sys
 
 import numpy as np
 
-from data import Shard, shard_name, write_shard
-from tokenizer import N_VOCAB
+from data import Shard, shard_name, text_tokens, write_shard
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("project", "build-nanogpt", "llm.c", "llm.c-cudnn")
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256  # llm.c's dataloader.h token-file header
 
 
@@ -142,11 +140,11 @@ OFFLINE_TOKENIZER = (f"import sys; sys.path.insert(0, {REPO!r}); from tokenizer 
                      f"sys.path.remove({REPO!r}); enc = get_encoding()")
 
 
-def adapt_build_nanogpt(checkout, scratch, data_dir, B, T, total_batch_size, steps):
+def adapt_build_nanogpt(checkout, scratch, data_dir, B, T, total_batch_size, steps, warmup):
     """A copy of build-nanogpt at scratch that trains steps steps of B x T sequences, total_batch_size
-    tokens a step, compiled, on data_dir's shards, with this repository's tokenizer in its script
-    and its hellaswag.py (tiktoken's download needs the network), and prints its peak memory at the
-    end. Returns its script."""
+    tokens a step, compiled, its lr warmed up over warmup steps, on data_dir's shards, with this
+    repository's tokenizer in its script and its hellaswag.py (tiktoken's download needs the
+    network), and prints its peak memory at the end. Returns its script."""
     check_checkout(checkout, BUILD_NANOGPT_FILES, "build-nanogpt")
     scratch_copy(checkout, scratch)
     script = os.path.join(scratch, "train_gpt2.py")
@@ -157,6 +155,7 @@ def adapt_build_nanogpt(checkout, scratch, data_dir, B, T, total_batch_size, ste
         ("B = 64 ", f"B = {B} "),
         ("T = 1024 ", f"T = {T} "),
         ("use_compile = False", "use_compile = True"),
+        ("warmup_steps = 715", f"warmup_steps = {warmup}"),
         ("max_steps = 19073", f"max_steps = {steps}"),
     ], "build-nanogpt")
     edit(os.path.join(scratch, "hellaswag.py"), [(TIKTOKEN_GPT2, OFFLINE_TOKENIZER)], "build-nanogpt")
@@ -232,10 +231,8 @@ def llmc_make_command(gpu_arch, cudnn_include=None, wheel=None, toolkit_lib=None
     return command
 
 
-def cudnn_wheel(scratch):
-    """The nvidia-cudnn wheel beside torch as llm.c's build needs it, or None without one: (its
-    headers, a directory in scratch where libcudnn.so names the wheel's versioned library, which
-    -lcudnn cannot find alone, and the wheel's library directory, for the binary to load it from)."""
+def cudnn_wheel_files():
+    """(headers, versioned library) of the nvidia-cudnn wheel beside torch, or None without one."""
     try:
         import nvidia.cudnn
     except ImportError:
@@ -243,37 +240,49 @@ def cudnn_wheel(scratch):
     root = list(nvidia.cudnn.__path__)[0]
     include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
     versioned = sorted(glob.glob(os.path.join(glob.escape(lib), "libcudnn.so.*")))
-    if not (os.path.isdir(include) and versioned):
+    return (include, versioned[0]) if os.path.isdir(include) and versioned else None
+
+
+def cudnn_wheel(scratch):
+    """The nvidia-cudnn wheel beside torch as llm.c's build needs it, or None without one: (its
+    headers, a directory in scratch where libcudnn.so names the wheel's versioned library, which
+    -lcudnn cannot find alone, and the wheel's library directory, for the binary to load it from)."""
+    files = cudnn_wheel_files()
+    if files is None:
         return None
+    include, versioned = files
     link = os.path.join(scratch, "cudnn-link")
     os.makedirs(link, exist_ok=True)
     if not os.path.lexists(os.path.join(link, "libcudnn.so")):
-        os.symlink(versioned[0], os.path.join(link, "libcudnn.so"))
-    return include, link, lib
+        os.symlink(versioned, os.path.join(link, "libcudnn.so"))
+    return include, link, os.path.dirname(versioned)
 
 
-def llmc_run_command(binary, train_pattern, val_pattern, B, T, total_batch_size, steps):
-    """train_gpt2cu on a fresh GPT-2 (124M), no recompute, no evaluation but at the first and last
-    step (which the timing leaves out), no sampling, HellaSwag or checkpoints."""
+def llmc_run_command(binary, train_pattern, val_pattern, B, T, total_batch_size, steps, warmup, zero):
+    """train_gpt2cu on a fresh GPT-2 (124M), no recompute, ZeRO stage zero (0 or 1), no evaluation
+    but at the first and last step (which the timing leaves out), no sampling, HellaSwag or
+    checkpoints; the recipe's lr, 6e-4 warmed up over warmup steps and decayed to 10%."""
     return [binary, "-i", train_pattern, "-j", val_pattern, "-e", "d12", "-b", str(B), "-t", str(T),
-            "-d", str(total_batch_size), "-x", str(steps), "-r", "0", "-z", "1", "-v", str(10 * steps + 1),
-            "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006", "-u", "700", "-c", "0.1", "-q", "0.0"]
+            "-d", str(total_batch_size), "-x", str(steps), "-r", "0", "-z", str(zero), "-v", str(10 * steps + 1),
+            "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006", "-u", str(warmup), "-c", "0.1", "-q", "0.1"]
 
 
-def project_command(data_dir, log_dir, B, T, total_batch_size, steps):
-    """This project's trainer with its defaults, on data_dir, with no evaluation, samples or HellaSwag."""
+def project_command(data_dir, log_dir, B, T, total_batch_size, steps, warmup):
+    """This project's trainer with its defaults, on data_dir, its lr warmed up over warmup steps,
+    with no evaluation, samples or HellaSwag."""
     return [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--data_dir", data_dir, "--log_dir", log_dir,
             "-B", str(B), "-T", str(T), "--total_batch_size", str(total_batch_size), "--max_steps", str(steps),
-            "--eval_interval", "0", "--hellaswag", "0", "--sample_interval", "0", "--resume", "none",
+            "--warmup_steps", str(warmup), "--eval_interval", "0", "--hellaswag", "0", "--sample_interval", "0", "--resume", "none",
             "--checkpoint_interval", "-1"]  # GPT-2 (124M)'s is 1.5 GB: time and disk the timed job lacks
 
 
 # ----------------------------------------------------------------------------- the logs
 
-STEP_MS = {  # each program's step line, and the group that holds its milliseconds
-    "project": re.compile(r"^step +\d+ \| loss .*\| dt ([\d.]+)ms"),
-    "build-nanogpt": re.compile(r"^step +\d+ \| loss: .*\| dt: ([\d.]+)ms"),
-    "llm.c": re.compile(r"^step +\d+/\d+ \| loss .*\| ([\d.]+) ms \|"),
+NUMBER = r"(-?nan|-?inf|[-\d.]+)"  # as Python and C print a float
+STEP_LINE = {  # each program's step line, with the groups that hold its loss, gradient norm and milliseconds
+    "project": re.compile(rf"^step +\d+ \| loss {NUMBER} \|.*\| norm {NUMBER} \| dt ([\d.]+)ms"),
+    "build-nanogpt": re.compile(rf"^step +\d+ \| loss: {NUMBER} \|.*\| norm: {NUMBER} \| dt: ([\d.]+)ms"),
+    "llm.c": re.compile(rf"^step +\d+/\d+ \| loss {NUMBER} .*\| norm +{NUMBER} .*\| ([\d.]+) ms \|"),
 }
 PEAK_BYTES = {  # each program's own report of its peak memory, in bytes
     "project": (re.compile(r"\| mem ([\d.]+)GiB"), 2**30),  # torch.cuda.max_memory_allocated, every step
@@ -284,17 +293,19 @@ PEAK_BYTES = {  # each program's own report of its peak memory, in bytes
 
 def read_log(program, text, tokens_per_step, warmup):
     """ms per step, tokens/s and peak memory (bytes) from a program's output: the median step time
-    of the steps after warmup, less the last one. PeerError if too few steps are left."""
-    times = [float(m.group(1)) for line in text.splitlines() if (m := STEP_MS[program].search(line))]
-    steady = times[warmup:-1]
+    of the steps after warmup, less the last one; and every step's loss and gradient norm, for
+    bench.py to judge whether the run trained. PeerError if too few steps are left."""
+    steps = [m.groups() for line in text.splitlines() if (m := STEP_LINE[program].search(line))]
+    steady = [float(ms) for _, _, ms in steps][warmup:-1]
     if not steady:
-        raise PeerError(f"{program}: {len(times)} step(s) in its output, too few after {warmup} warm-up step(s) "
+        raise PeerError(f"{program}: {len(steps)} step(s) in its output, too few after {warmup} warm-up step(s) "
                         f"and the last")
     pattern, unit = PEAK_BYTES[program]
     peaks = [float(m.group(1)) * unit for line in text.splitlines() if (m := pattern.search(line))]
     ms = statistics.median(steady)
     return dict(ms_per_step=ms, tokens_per_sec=tokens_per_step / ms * 1000, steady_steps=len(steady),
-                peak_mem_bytes=max(peaks) if peaks else None)
+                peak_mem_bytes=max(peaks) if peaks else None, losses=[float(loss) for loss, _, _ in steps],
+                grad_norms=[float(norm) for _, norm, _ in steps])
 
 
 LOG_TAIL_LINES = 30  # of a failed program's output, kept in its error
@@ -356,86 +367,171 @@ class PeersConfig:
 
 
 def write_tokens(data_dir, config):
-    """Random GPT-2 ids: a val shard and a train shard of a few steps' tokens (every loader wraps)."""
+    """Text (data.text_tokens), on which each program's loss falls within its steps: a val shard and
+    a train shard of a few steps' tokens (every loader wraps)."""
     os.makedirs(data_dir, exist_ok=True)
-    rng = np.random.default_rng(0)
     for split, index, steps in (("val", 0, 2), ("train", 1, 4)):
-        tokens = rng.integers(0, N_VOCAB, steps * config.total_batch_size + 1)
+        tokens = text_tokens(steps * config.total_batch_size + 1)
         write_shard(os.path.join(data_dir, shard_name("peers", split, index)), tokens)
 
 
-def start_llmc_builds(config, workdir):
-    """Scratch copies of llm.c, adapted, and their builds started (on the CPU, while the GPU trains
-    the others): {variant: (directory, make's process or the PeerError that stopped it, build log)}.
-    cuDNN's variant is an error where no cudnn-frontend checkout is found."""
-    include = cudnn_frontend(config.llmc)
-    toolkit_lib = cuda_toolkit_lib()
+def system_cudnn():
+    """The libcudnn.so that the loader's cache (ldconfig -p) holds, which -lcudnn links against
+    without the wheel's; None without one."""
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((line.split(" => ")[1].strip() for line in cache.splitlines()
+                 if line.strip().startswith("libcudnn.so ") and " => " in line), None)
+
+
+def llmc_builds(config, scratch_of):
+    """{build: (make's command, its scratch copy)} of llm.c: without cuDNN, and with cuDNN attention
+    against each cuDNN this machine has, the nvidia-cudnn wheel's beside torch and the system's
+    (the loader's cache). Each scratch copy is made and adapted here. PeerError for a build that
+    cannot be made, in its place."""
+    include, toolkit_lib = cudnn_frontend(config.llmc), cuda_toolkit_lib()
+    cudnns = [name for name, found in (("wheel", cudnn_wheel_files()), ("system", system_cudnn())) if found]
     builds = {}
-    for variant, cudnn in (("llm.c", None), ("llm.c-cudnn", include)):
-        scratch, log_path = os.path.join(workdir, variant), os.path.join(workdir, f"{variant}-build.log")
+    for build, cudnn in [("llm.c", None)] + [(f"llm.c-cudnn-{name}", name) for name in cudnns]:
+        scratch = scratch_of(build)
         try:
-            if variant == "llm.c-cudnn" and include is None:
+            if cudnn and include is None:
                 raise PeerError(f"no cudnn-frontend checkout in {config.llmc} or ~ (its include/ as "
                                 f"llm.c/cudnn-frontend/include: docs/benchmarks.md)")
             adapt_llmc(config.llmc, scratch)
-            command = llmc_make_command(config.gpu_arch, cudnn, cudnn_wheel(scratch) if cudnn else None, toolkit_lib)
-            builds[variant] = scratch, start(command, scratch, log_path), log_path
+            wheel = cudnn_wheel(scratch) if cudnn == "wheel" else None
+            builds[build] = llmc_make_command(config.gpu_arch, include if cudnn else None, wheel, toolkit_lib), scratch
         except PeerError as e:
-            builds[variant] = scratch, e, log_path
+            builds[build] = e, scratch
+    if not cudnns:
+        builds["llm.c-cudnn"] = PeerError("no cuDNN: neither the nvidia-cudnn wheel beside torch nor one in the "
+                                          "loader's cache (ldconfig -p)"), scratch_of("llm.c-cudnn")
     return builds
 
 
-def bench_peers(config, workdir, record):
-    """Times each variant in turn and records each as a result named peers; a peer that fails is
-    recorded with its error and the last lines of its output, and the others still run."""
+def llmc_runs(build):
+    """(variant, ZeRO stage) of each run of an llm.c build: the plain build at stage 1, each cuDNN
+    build at 0 and 1 (-z: which is faster on one GPU was seen to differ from machine to machine)."""
+    return [(build, 1)] if build == "llm.c" else [(f"{build}-z{zero}", zero) for zero in (0, 1)]
+
+
+def loaded_cudnn(binary):
+    """The cuDNN that binary loads, as "VERSION (PATH)": the library its loader resolves (ldd), and
+    that library's own cudnnGetVersion(), asked in a process of its own; "unknown" where either fails."""
+    try:
+        linked = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=60).stdout
+        path = next(line.split("=>")[1].split(" (")[0].strip() for line in linked.splitlines() if "libcudnn.so" in line)
+        asked = subprocess.run([sys.executable, "-c", "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).cudnnGetVersion())",
+                                path], capture_output=True, text=True, timeout=60)
+        version = int(asked.stdout)
+    except (OSError, subprocess.TimeoutExpired, StopIteration, IndexError, ValueError):
+        return "unknown"
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100} ({path})"  # cuDNN 9's MAJOR*10000+MINOR*100+PATCH
+
+
+def start_llmc_builds(config, workdir):
+    """llm.c's builds (llmc_builds) started in workdir, on the CPU while the GPU trains the others:
+    {build: (its scratch copy, make's process or the PeerError that stopped it, the build's log)}."""
+    builds = {}
+    for build, (make, scratch) in llmc_builds(config, lambda build: os.path.join(workdir, build)).items():
+        log_path = os.path.join(workdir, f"{build}-build.log")
+        if not isinstance(make, PeerError):
+            try:
+                make = start(make, scratch, log_path)
+            except PeerError as e:
+                make = e
+        builds[build] = scratch, make, log_path
+    return builds
+
+
+class PeerRuns:
+    """The programs' runs, one after another: each judged by judge(result, reference), reference the
+    project's result (bench.judged: a run that did not train is reported without a speed), then
+    recorded; one that fails is recorded with its error and the last lines of its output."""
+
+    def __init__(self, config, workdir, record, judge):
+        self.config, self.workdir, self.record, self.judge = config, workdir, record, judge
+        self.size = f"B{config.micro_batch_size} T{config.seq_len} {config.total_batch_size:,} tokens/step"
+        self.results = []
+
+    def measure(self, variant, program, command, cwd, about=None):
+        """Runs command, a program's command line, in cwd, and records its figures, with about."""
+        result = dict(name="peers", variant=variant, config=self.size, **(about or {}))
+        try:
+            text = run(command, cwd, os.path.join(self.workdir, f"{variant}.log"), self.config.timeout)
+            timed = read_log(program, text, self.config.total_batch_size, self.config.warmup)
+        except PeerError as e:
+            return self.fail(variant, e)
+        self.keep(self.judge(dict(result, **timed), self.results[0] if self.results else None))
+
+    def fail(self, variant, error):
+        """Records variant as failed, with error's line and the last lines of its output."""
+        print(f"warning: peers: {variant}: {error}", file=sys.stderr)
+        print("".join(f"    {line}\n" for line in error.log_tail), end="", file=sys.stderr)
+        result = dict(name="peers", variant=variant, config=self.size, error=str(error))
+        if error.log_tail:
+            result["log_tail"] = error.log_tail
+        self.keep(result)
+
+    def keep(self, result):
+        self.record(result)
+        self.results.append(result)
+
+
+def bench_peers(config, workdir, record, judge):
+    """Times the project, build-nanogpt and each of llm.c's configurations in turn, each recorded
+    as a result named peers (PeerRuns); then prints the ratios."""
     workdir = os.path.abspath(workdir)  # the programs run in scratch copies inside it
     data_dir = os.path.join(workdir, "peers-data")
     write_tokens(data_dir, config)
     train_pattern, val_pattern = llmc_token_files(data_dir, os.path.join(workdir, "peers-llmc-data"))
     builds = start_llmc_builds(config, workdir)
-    size = f"B{config.micro_batch_size} T{config.seq_len} {config.total_batch_size:,} tokens/step"
-
-    def measure(variant, program, command, cwd):
-        result = dict(name="peers", variant=variant, config=size)
-        try:
-            text = run(command(), cwd, os.path.join(workdir, f"{variant}.log"), config.timeout)
-            result.update(read_log(program, text, config.total_batch_size, config.warmup))
-        except PeerError as e:
-            print(f"warning: peers: {variant}: {e}", file=sys.stderr)
-            print("".join(f"    {line}\n" for line in e.log_tail), end="", file=sys.stderr)
-            result["error"] = str(e)
-            if e.log_tail:
-                result["log_tail"] = e.log_tail
-        record(result)
-        return result
-
-    B, T, total = config.micro_batch_size, config.seq_len, config.total_batch_size
+    runs = PeerRuns(config, workdir, record, judge)
+    B, T, total, steps, warmup = (config.micro_batch_size, config.seq_len, config.total_batch_size, config.run_steps,
+                                  config.warmup)
     try:
-        results = [measure("project", "project", lambda: project_command(
-            data_dir, os.path.join(workdir, "project-log"), B, T, total, config.run_steps), workdir)]
+        runs.measure("project", "project", project_command(
+            data_dir, os.path.join(workdir, "project-log"), B, T, total, steps, warmup), workdir)
         nanogpt = os.path.join(workdir, "build-nanogpt")
-        results.append(measure("build-nanogpt", "build-nanogpt", lambda: [sys.executable, adapt_build_nanogpt(
-            config.build_nanogpt, nanogpt, data_dir, B, T, total, config.run_steps)], nanogpt))
-        for variant, (scratch, build, log_path) in builds.items():
-            def command():
-                if isinstance(build, PeerError):
-                    raise build
-                finish(build, log_path, config.timeout)
-                return llmc_run_command("./train_gpt2cu", train_pattern, val_pattern, B, T, total, config.run_steps)
-            results.append(measure(variant, "llm.c", command, scratch))
+        try:
+            script = adapt_build_nanogpt(config.build_nanogpt, nanogpt, data_dir, B, T, total, steps, warmup)
+            runs.measure("build-nanogpt", "build-nanogpt", [sys.executable, script], nanogpt)
+        except PeerError as e:
+            runs.fail("build-nanogpt", e)
+        for build, (scratch, make, log_path) in builds.items():
+            try:
+                if isinstance(make, PeerError):
+                    raise make
+                finish(make, log_path, config.timeout)
+            except PeerError as e:
+                runs.fail(build, e)
+                continue
+            cudnn = None if build == "llm.c" else dict(cudnn=loaded_cudnn(os.path.join(scratch, "train_gpt2cu")))
+            for variant, zero in llmc_runs(build):
+                command = llmc_run_command("./train_gpt2cu", train_pattern, val_pattern, B, T, total, steps, warmup, zero)
+                runs.measure(variant, "llm.c", command, scratch, cudnn)
     finally:  # a run cut short leaves no build behind
-        for _, build, _ in builds.values():
-            if isinstance(build, subprocess.Popen) and build.poll() is None:
-                build.kill()
-                build.wait()
-    print_ratios(results)
+        for _, make, _ in builds.values():
+            if isinstance(make, subprocess.Popen) and make.poll() is None:
+                make.kill()
+                make.wait()
+    print_ratios(runs.results)
 
 
 def print_ratios(results):
+    """The project's tokens/s over each peer's that trained, and over llm.c's fastest configuration."""
     project = results[0].get("tokens_per_sec")
-    for result in results[1:]:
-        if project and result.get("tokens_per_sec"):
-            print(f"project / {result['variant']}: {project / result['tokens_per_sec']:.3f}x tokens/s")
+    timed = [r for r in results[1:] if r.get("tokens_per_sec")]
+    if not project:
+        return
+    for result in timed:
+        print(f"project / {result['variant']}: {project / result['tokens_per_sec']:.3f}x tokens/s")
+    llmc = [r for r in timed if r["variant"].startswith("llm.c")]
+    if llmc:
+        best = max(llmc, key=lambda r: r["tokens_per_sec"])
+        print(f"project / llm.c's fastest ({best['variant']}): {project / best['tokens_per_sec']:.3f}x tokens/s")
 
 
 # ----------------------------------------------------------------------------- the probe

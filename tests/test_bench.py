@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -75,6 +76,52 @@ def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, fa
             assert recorded.items() <= r.items() and "tokens_per_sec" not in r
         else:
             assert r["tokens_per_sec"] > 0 and not {"out_of_memory", "error"} & r.keys()
+
+
+@pytest.mark.slow
+def test_a_timed_run_that_trains_nothing_is_reported_wrong_without_a_speed(tmp_path, monkeypatch, capsys):
+    """The chunked loss's lever with its graph cut (every gradient None): the trainer's step refuses
+    it, and the run is a row that says so, with no tokens/s. A lever whose gradient points the wrong
+    way (the loss's value kept, its gradient negated: the loss rises) is wrong too."""
+    forward = bench.GPT.forward
+
+    def broken(self, idx, targets=None, loss_kind="masked", **kwargs):
+        if loss_kind == "chunked":  # the graph cut
+            logits, loss = forward(self, idx, targets, loss_kind=loss_kind, **kwargs)
+            return logits, loss.detach().requires_grad_()
+        logits, loss = forward(self, idx, targets, loss_kind=loss_kind, **kwargs)
+        if self.transformer.h[0].recompute == "full":  # the same value, the gradient negated
+            loss = 2 * loss.detach() - loss
+        return logits, loss
+    monkeypatch.setattr(bench.GPT, "forward", broken)
+    results = []
+    bench.bench_train(bench.parse_args(["--quick", "--baseline", "0", "--steps", "4", "--levers",
+                                        "chunked_loss,recompute_full,recompute_attn"]), "cpu", str(tmp_path),
+                      results.append)
+    project, chunked, other, attn = results
+    assert chunked["wrong"].startswith("no parameter received a gradient") and "losses" not in chunked
+    assert other["wrong"].startswith("its loss fell -") and len(other["losses"]) == 5
+    assert not {"tokens_per_sec", "ms_per_step", "mfu"} & (chunked.keys() | other.keys())
+    assert "wrong" not in project and "wrong" not in attn and attn["tokens_per_sec"] > 0
+    bench.print_table(results)
+    row = capsys.readouterr().out.splitlines()[2]
+    assert "+chunked_loss" in row and ": wrong, no parameter received a gradient" in row
+
+
+@pytest.mark.parametrize("losses, grad_norms, reference, follow, problem", [
+    ([11.0, 10.0, 9.0], [1.0, 1.0, 1.0], None, False, None),
+    ([11.0, 11.0, 11.0], [1.0, 1.0, 1.0], None, False, "its loss did not fall: 11.0000 to 11.0000"),
+    ([11.0, 10.0, 9.0], [1.0, 0.0, 1.0], None, False, "its gradient norm at step 1 is 0.0"),
+    ([11.0, float("nan"), 9.0], [1.0, 1.0, 1.0], None, False, "its loss at step 1 is nan"),
+    ([11.0, 10.9, 10.8], [1.0, 1.0, 1.0], [11.0, 10.0, 9.0], False, "its loss fell 0.2000 over 3 steps, the project's 2.0000"),
+    ([11.0, 10.4, 9.1], [1.0, 1.0, 1.0], [11.0, 10.0, 9.0], True, None),  # bf16's noise: within a quarter of the fall
+    ([11.0, 9.0, 8.0], [1.0, 1.0, 1.0], [11.0, 10.0, 9.0], True,
+     "its losses strayed 1.0000 from the project's, more than a quarter of its fall (2.0000)"),
+    ([11.0, 9.0, 8.0], [1.0, 1.0, 1.0], [11.0, 10.0, 9.0], False, None),  # a peer: another init, the fall alone
+    ([11.0, 10.0, 9.0], [1.0, 1.0, 1.0], [11.0, 11.0, 11.0], True, None),  # a reference that did not train: alone
+])
+def test_whether_a_timed_run_trained(losses, grad_norms, reference, follow, problem):
+    assert bench.training_problem(losses, grad_norms, reference, follow) == problem
 
 
 def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
@@ -371,47 +418,60 @@ def test_a_trace_that_cannot_be_written_is_said_and_leaves_nothing(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text())["results"][-1]["trace"] is None
 
 
+GPU_SH = os.path.join(os.path.dirname(bench.__file__), "bench", "gpu.sh")
+
+
 def gpu_sh_jobs():
-    """{part: [(job name, timeout in seconds, its arguments)]} of bench/gpu.sh, and its KILL_AFTER,
-    read from the script: each part is a function whose every command is a `run NAME SECONDS ...`."""
-    with open(os.path.join(os.path.dirname(bench.__file__), "bench", "gpu.sh")) as f:
+    """[(log name, seconds asked for, its arguments)] of bench/gpu.sh's job, and its BUDGET and
+    KILL_AFTER, read from the script: the job is a function whose every command is `run NAME SECONDS ...`."""
+    with open(GPU_SH) as f:
         script = f.read().replace("\\\n", " ")
-    kill_after = int(re.search(r"^KILL_AFTER=(\d+)", script, re.MULTILINE).group(1))
-    parts = {}
-    for part, body in re.findall(r"^(part\d)\(\) \{\n(.*?)^\}", script, re.MULTILINE | re.DOTALL):
-        lines = [shlex.split(line) for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
-        assert all(words[0] == "run" for words in lines), (part, lines)  # nothing outside a timeout
-        parts[part] = [(words[1], int(words[2]), words[3:]) for words in lines]
-    return parts, kill_after
+    budget, kill_after = (int(re.search(rf"^{name}=(\d+)", script, re.MULTILINE).group(1)) for name in ("BUDGET", "KILL_AFTER"))
+    [body] = re.findall(r"^job\(\) \{[^\n]*\n(.*?)^\}", script, re.MULTILINE | re.DOTALL)
+    lines = [shlex.split(line) for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert all(words[0] == "run" for words in lines), lines  # nothing outside a timeout
+    return [(words[1], int(words[2]), words[3:]) for words in lines], budget, kill_after
 
 
-def test_each_part_of_gpu_sh_fits_one_job():
-    """A GPU job runs under 10 minutes and brings back at most 8 files: each part's timeouts, with
-    the grace before the kill, add up to at most 540 s, and it writes at most 8 files (a log per job,
-    each file it names in OUT, and the trace beside a profile's JSON). A peer's own timeout fits
-    inside its job's."""
-    parts, kill_after = gpu_sh_jobs()
-    assert set(parts) == {"part1", "part2", "part3"}
-    for part, jobs in parts.items():
-        assert sum(seconds + kill_after for _, seconds, _ in jobs) <= 540, part
-        files = {f"{name}.log" for name, _, _ in jobs}
-        for _, _, args in jobs:
-            named = [arg.split("$OUT/", 1)[1] for arg in args if arg.startswith("$OUT/")]
-            files.update(named)
-            if "--profile" in args:
-                files.add(os.path.basename(bench.trace_path(args[args.index("--json") + 1])))
-        assert len(files) <= 8, (part, files)
-    [(_, seconds, args)] = [job for job in parts["part1"] if job[0] == "peers"]
+def test_gpu_sh_is_one_job_of_at_most_8_minutes_and_8_files():
+    """The device tool's limits: at most 480 s of timeouts, kills included, and 8 files back. The
+    first four commands (the probe, the peers, the levers, the cuda tests) get their whole time
+    within the budget; a peer's own timeout fits inside its command's; the files are each log, each
+    file named in OUT, and the trace beside a profile's JSON."""
+    jobs, budget, kill_after = gpu_sh_jobs()
+    assert budget <= 480
+    assert sum(seconds + kill_after for _, seconds, _ in jobs[:4]) <= budget
+    files = {f"{name}.log" for name, _, _ in jobs}
+    for _, _, args in jobs:
+        files.update(arg.split("$OUT/", 1)[1] for arg in args if arg.startswith("$OUT/"))
+        if "--profile" in args:
+            files.add(os.path.basename(bench.trace_path(args[args.index("--json") + 1])))
+    assert len(files) <= 8, files
+    [(_, seconds, args)] = [(name, seconds, args) for name, seconds, args in jobs if "--peer_timeout" in args]
     assert int(args[args.index("--peer_timeout") + 1]) < seconds
 
 
-def test_gpu_sh_runs_the_jobs_the_issue_asks_for_in_each_part():
-    """part1: the probe, the peers, the profile alone; part2: the cuda tests verbosely (a timeout's
-    kill must leave each test's name), the loss variants; part3: the slow levers."""
-    parts, _ = gpu_sh_jobs()
-    names = {part: [name for name, _, _ in jobs] for part, jobs in parts.items()}
-    assert names["part1"] == ["probe", "peers", "profile"] and "cuda-tests" in names["part2"]
-    [tests] = [args for name, _, args in parts["part2"] if name == "cuda-tests"]
+def test_gpu_sh_never_runs_past_its_budget(tmp_path):
+    """run() cuts a command's timeout to what is left of BUDGET, less the kill's grace, and skips a
+    command cut below 30 s: the job ends within BUDGET whatever each command takes."""
+    with open(GPU_SH) as f:
+        run = re.search(r"^run\(\) \{.*?^\}", f.read(), re.MULTILINE | re.DOTALL).group(0)
+    script = (f"OUT={tmp_path}; BUDGET=100; KILL_AFTER=5\n{run}\n"
+              "SECONDS=0; run a 20 true; SECONDS=50; run b 90 true; SECONDS=70; run c 90 true\n")
+    subprocess.run(["bash", "-c", script], check=True, capture_output=True)
+    assert "at most 20 s" in (tmp_path / "a.log").read_text()
+    assert "at most 45 s" in (tmp_path / "b.log").read_text()  # 100 - 50 - 5
+    assert (tmp_path / "c.log").read_text().startswith("== skipped, 25 s of the budget left")
+
+
+def test_gpu_sh_runs_what_the_issue_asks_for_in_order_of_value():
+    """The probe, the peers, the default against the masked loss and at -B 128, the cuda tests
+    verbosely (a timeout's kill must leave each test's name); then CUDA graphs and the profile."""
+    jobs, _, _ = gpu_sh_jobs()
+    assert [args[:3] for _, _, args in jobs[:2]] == [["python3", "peers.py"], ["python3", "bench.py", "--parts"]]
+    levers = [(args[args.index("--levers") + 1] if "--levers" in args else "--profile" in args and "profile",
+               args[args.index("-B") + 1] if "-B" in args else None) for _, _, args in jobs if "train" in args]
+    assert levers == [("masked_loss", "64,128"), ("cuda_graphs", None), ("profile", None)]
+    [tests] = [args for name, _, args in jobs if name == "cuda-tests"]
+    assert [name for name, _, _ in jobs].index("cuda-tests") == 3
     assert tests[tests.index("-o"):] == ["-o", "addopts=", "-v", "-rA", "--durations=0"]
-    levers = [args[args.index("--levers") + 1] for jobs in parts.values() for _, _, args in jobs if "--levers" in args]
-    assert "$LOSS_VARIANTS,cudnn_attention" in levers and "cuda_graphs,coordinate_descent" in levers

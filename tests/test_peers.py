@@ -3,7 +3,9 @@ each peer's checkout (the checkout itself untouched), each program's log read ba
 refusals. The peers' runs themselves need a GPU (docs/benchmarks.md)."""
 import glob
 import os
+import shutil
 import stat
+import subprocess
 import sys
 import types
 
@@ -25,6 +27,7 @@ total_batch_size = 524288 # tokens
 B = 64 # micro batch size
 T = 1024 # sequence length
 use_compile = False # compile
+warmup_steps = 715
 max_steps = 19073 # one epoch
 '''
 # The statements of build-nanogpt's hellaswag.py that the adaptation rewrites, in a stand-in script.
@@ -81,13 +84,14 @@ def test_llmc_token_files_hold_the_shards_tokens_behind_llmc_header(tmp_path):
 
 
 def test_build_nanogpt_is_adapted_in_a_copy(build_nanogpt, tmp_path):
-    script = peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 16, 256, 8192, 9)
+    script = peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 16, 256, 8192, 9, 2)
     with open(script) as f:
         text = f.read()
     assert text.endswith('print(f"peak memory: {torch.cuda.max_memory_allocated()} bytes")\n')
     settings, path = {}, list(sys.path)
     exec(text[: text.rindex("print(")], settings)  # all but the peak-memory line, which needs CUDA
     assert (settings["B"], settings["T"], settings["total_batch_size"], settings["max_steps"]) == (16, 256, 8192, 9)
+    assert settings["warmup_steps"] == 2  # the lr warmed up as the project's and llm.c's, so that all three train
     assert settings["use_compile"] is True and settings["data_root"] == os.path.abspath("shards")
     with open(tmp_path / "scratch" / "hellaswag.py") as f:
         hellaswag = f.read()
@@ -127,7 +131,7 @@ def test_a_link_out_of_the_checkout_is_refused_and_nothing_outside_the_scratch_c
     scratch = str(tmp_path / "scratch")
     before = snapshot(tmp_path, leave_out=scratch)
     with pytest.raises(peers.PeerError, match=r"train_gpt2.py: a link out of the checkout, to .*outside/train_gpt2.py"):
-        peers.adapt_build_nanogpt(checkout, scratch, "shards", 16, 256, 8192, 9)
+        peers.adapt_build_nanogpt(checkout, scratch, "shards", 16, 256, 8192, 9, 2)
     assert snapshot(tmp_path, leave_out=scratch) == before
 
 
@@ -137,7 +141,7 @@ def test_a_link_inside_the_checkout_is_copied_as_the_file_it_names(tmp_path):
     os.symlink(os.path.join(checkout, "src", "train.py"), os.path.join(checkout, "train_gpt2.py"))
     scratch = str(tmp_path / "scratch")
     before = snapshot(tmp_path, leave_out=scratch)
-    script = peers.adapt_build_nanogpt(checkout, scratch, "shards", 16, 256, 8192, 9)
+    script = peers.adapt_build_nanogpt(checkout, scratch, "shards", 16, 256, 8192, 9, 2)
     assert snapshot(tmp_path, leave_out=scratch) == before
     assert not os.path.islink(script) and "use_compile = True" in open(script).read()
     assert open(os.path.join(scratch, "src", "train.py")).read() == BUILD_NANOGPT_SCRIPT  # a copy too
@@ -155,7 +159,7 @@ def test_a_checkout_that_is_not_plain_text_files_is_one_line(build_nanogpt, tmp_
     make_odd(build_nanogpt)
     before = snapshot(tmp_path, leave_out=str(tmp_path / "scratch"))
     with pytest.raises(peers.PeerError, match=message):
-        peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 16, 256, 8192, 9)
+        peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 16, 256, 8192, 9, 2)
     assert snapshot(tmp_path, leave_out=str(tmp_path / "scratch")) == before
 
 
@@ -164,7 +168,7 @@ def test_a_changed_build_nanogpt_is_one_line_naming_what_is_missing(build_nanogp
         f.write(BUILD_NANOGPT_SCRIPT.replace("use_compile = False", "use_compile = True"))
     with pytest.raises(peers.PeerError, match=r"build-nanogpt's train_gpt2.py has changed: expected one "
                                               r"`use_compile = False`, found 0"):
-        peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 64, 1024, 524288, 9)
+        peers.adapt_build_nanogpt(build_nanogpt, str(tmp_path / "scratch"), "shards", 64, 1024, 524288, 9, 2)
 
 
 def test_llmc_fails_where_it_would_fall_back_to_managed_memory(llmc, tmp_path):
@@ -178,10 +182,11 @@ def test_llmc_fails_where_it_would_fall_back_to_managed_memory(llmc, tmp_path):
 
 
 def test_llmc_commands(tmp_path):
-    run = peers.llmc_run_command("./train_gpt2cu", "d/*_train_*.bin", "d/*_val_*.bin", 64, 1024, 524288, 26)
+    run = peers.llmc_run_command("./train_gpt2cu", "d/*_train_*.bin", "d/*_val_*.bin", 64, 1024, 524288, 26, 5, 0)
     flags = dict(zip(run[1::2], run[2::2]))
-    assert (flags["-b"], flags["-t"], flags["-d"], flags["-x"], flags["-r"], flags["-e"]) == (
-        "64", "1024", "524288", "26", "0", "d12")
+    assert (flags["-b"], flags["-t"], flags["-d"], flags["-x"], flags["-r"], flags["-e"], flags["-z"]) == (
+        "64", "1024", "524288", "26", "0", "d12", "0")
+    assert (flags["-l"], flags["-u"], flags["-q"]) == ("0.0006", "5", "0.1")  # the project's lr, warmup and floor
     assert int(flags["-v"]) > 26 and flags["-s"] == flags["-h"] == "0"  # no evaluation but the first and last step
     assert peers.llmc_make_command("90") == ["make", "train_gpt2cu", "GPU_COMPUTE_CAPABILITY=90", "USE_CUDNN=0",
                                              "NO_MULTI_GPU=1", "NO_USE_MPI=1"]
@@ -258,22 +263,49 @@ def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeyp
 
 LOGS = {
     "llm.c": ["device memory usage: 27000 MiB / 143000 MiB"]
-             + [f"step {i:4d}/8 | loss 10.9 (+0.00z)| norm 1.0 (+0.00z)| lr 1.00e-05 | {ms:.2f} ms | 40.0% bf16 MFU"
-                f" | 559000 tok/s" for i, ms in enumerate([9000, 950, 940, 930, 2000], 1)],
+             + [f"step {i:4d}/8 | loss {loss} (+0.00z)| norm {norm:6.4f} (+0.00z)| lr 1.00e-05 | {ms:.2f} ms | "
+                f"559000 tok/s" for i, (loss, norm, ms) in enumerate(zip(
+                 [10.9, 9.5, 8.1, 7.0, 6.5], [1.0, 0.5, 0.25, 0.125, 0.0625], [9000, 950, 940, 930, 2000]), 1)],
     "build-nanogpt": ["validation loss: 10.95"]
-                     + [f"step {i:5d} | loss: 10.9 | lr 6.0e-05 | norm: 1.0 | dt: {ms:.2f}ms | tok/sec: 506000.00"
-                        for i, ms in enumerate([9000, 950, 940, 930, 2000])] + ["peak memory: 32212254720 bytes"],
+                     + [f"step {i:5d} | loss: {loss} | lr 6.0e-05 | norm: {norm:.4f} | dt: {ms:.2f}ms | tok/sec: 5.00"
+                        for i, (loss, norm, ms) in enumerate(zip([10.9, 9.5, 8.1, 7.0, 6.5], [1.0, 0.5, 0.25, 0.125, 0.0625],
+                                                                [9000, 950, 940, 930, 2000]))]
+                     + ["peak memory: 32212254720 bytes"],
 }
 
 
 @pytest.mark.parametrize("program", LOGS)
-def test_each_peers_log_gives_its_steady_median_step(program):
+def test_each_peers_log_gives_its_steady_median_step_and_every_steps_loss_and_norm(program):
     result = peers.read_log(program, "\n".join(LOGS[program]), 524288, warmup=1)
     assert result["ms_per_step"] == 940 and result["steady_steps"] == 3  # the warm-up and last steps left out
     assert result["tokens_per_sec"] == pytest.approx(524288 / 0.94)
     assert result["peak_mem_bytes"] == {"llm.c": 27000 * 2**20, "build-nanogpt": 32212254720}[program]
+    assert result["losses"] == [10.9, 9.5, 8.1, 7.0, 6.5] and result["grad_norms"] == [1.0, 0.5, 0.25, 0.125, 0.0625]
     with pytest.raises(peers.PeerError, match="5 step"):
         peers.read_log(program, "\n".join(LOGS[program]), 524288, warmup=4)
+
+
+def llmc_output(norm, ms):
+    """llm.c's step lines, every norm printed as norm (C's printf writes a NaN as -nan), ms a step."""
+    return "\n".join(f"step {i:4d}/5 | loss {loss} (+0.00z)| norm {norm} (+0.00z)| lr 1.00e-05 | {ms:.2f} ms | 1 tok/s"
+                     for i, loss in enumerate([10.9, 9.5, 8.1, 7.0, 6.5], 1))
+
+
+def test_a_peer_that_trains_nothing_is_reported_wrong_and_gets_no_ratio(capsys):
+    """A gradient of nothing (0.0000) or NaN: judged as the run it is, with no speed, and the ratios
+    are taken against the runs that trained, llm.c's fastest among them."""
+    def run(variant, norm, ms, reference=None):
+        return bench.judged(dict(variant=variant, **peers.read_log("llm.c", llmc_output(norm, ms), 524288, 1)), reference)
+    project = run("project", "1.0000", 1000)
+    runs = [project, run("llm.c", "1.0000", 1500, project), run("llm.c-cudnn-wheel-z1", "0.0000", 100, project),
+            run("llm.c-cudnn-wheel-z0", "-nan", 200, project), run("llm.c-cudnn-system-z0", "1.0000", 900, project)]
+    assert [r.get("wrong") for r in runs] == [None, None, "its gradient norm at step 0 is 0.0",
+                                              "its gradient norm at step 0 is nan", None]
+    assert ["tokens_per_sec" in r for r in runs] == [True, True, False, False, True]
+    peers.print_ratios(runs)
+    assert capsys.readouterr().out.splitlines() == [
+        "project / llm.c: 1.500x tokens/s", "project / llm.c-cudnn-system-z0: 0.900x tokens/s",
+        "project / llm.c's fastest (llm.c-cudnn-system-z0): 0.900x tokens/s"]
 
 
 def run_the_project_on_the_cpu(tmp_path):
@@ -281,7 +313,8 @@ def run_the_project_on_the_cpu(tmp_path):
     config = peers.PeersConfig("", "", micro_batch_size=2, seq_len=32, total_batch_size=128, steps=2, warmup=1,
                                gpu_arch="90", timeout=300)
     peers.write_tokens(str(tmp_path / "data"), config)
-    command = peers.project_command(str(tmp_path / "data"), str(tmp_path / "log"), 2, 32, 128, config.run_steps)
+    command = peers.project_command(str(tmp_path / "data"), str(tmp_path / "log"), 2, 32, 128, config.run_steps,
+                                    config.warmup)
     command += ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--device", "cpu"]
     return peers.read_log("project", peers.run(command, str(tmp_path), str(tmp_path / "project.log"), timeout=300),
                           128, config.warmup)
@@ -337,15 +370,15 @@ def test_the_peers_run_only_when_named():
     assert result.returncode != 0 and "--parts peers needs --llmc DIR" in result.stderr
 
 
-# A stand-in for a program's run: four step lines in the project's format, 10 ms each.
-PROJECT_STEPS = "".join(f"print('step {i:5d} | loss 10.9 | lr 6e-4 | norm 1.0 | dt 10.00ms | tok/s 1 | mfu 0% | mem 1.0GiB')\n"
-                        for i in range(4))
+# A stand-in for a program's run: four step lines in the project's format, 10 ms each, its loss falling.
+PROJECT_STEPS = "".join(f"print('step {i:5d} | loss {10.9 - i} | lr 6e-4 | norm 1.0 | dt 10.00ms | tok/s 1 | mfu 0% | "
+                        f"mem 1.0GiB')\n" for i in range(4))
 
 
 @pytest.mark.parametrize("llmc_fault", ["no_make", "make_fails", "changed_source"])
 def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path, monkeypatch, capsys, llmc_fault):
     """llm.c's builds start first: no make, a failed build (its last lines kept) or a source the
-    adaptation does not know must cost llm.c's results only. The checkout is named relatively,
+    adaptation does not know must cost llm.c's results only, one row a build. The checkout is named relatively,
     as gpu.sh's PEERS=.peers does, and make gets the GPU's compute capability and absolute paths."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -356,9 +389,10 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
     make_checkout(tmp_path / "peers" / "build-nanogpt", {
         "train_gpt2.py": BUILD_NANOGPT_SCRIPT + "import types\ntorch = types.SimpleNamespace(cuda=types.SimpleNamespace("
                          "max_memory_allocated=lambda: 2**30))\n" + PROJECT_STEPS.replace("| loss", "| loss:").replace(
-                         "| dt", "| dt:"),
+                         "| norm", "| norm:").replace("| dt", "| dt:"),
         "hellaswag.py": HELLASWAG_SCRIPT})
     monkeypatch.setattr(peers, "project_command", lambda *args: [sys.executable, "-c", PROJECT_STEPS])
+    monkeypatch.setattr(peers, "system_cudnn", lambda: "/usr/lib/libcudnn.so")  # as if there were one to build with
     bin_dir = tmp_path / "bin"
     if llmc_fault == "make_fails":
         fake_program(bin_dir, "make", f'echo "$@" >> {tmp_path}/make-args\ni=1; while [ $i -le 40 ]; do echo $i; i=$((i + 1)); done\necho "nvcc fatal: oops"\nexit 2\n')
@@ -368,8 +402,8 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
                                timeout=60)
     results = []
     os.makedirs("work")
-    peers.bench_peers(config, "work", results.append)
-    assert [r["variant"] for r in results] == ["project", "build-nanogpt", "llm.c", "llm.c-cudnn"]
+    peers.bench_peers(config, "work", results.append, bench.judged)
+    assert [r["variant"] for r in results] == ["project", "build-nanogpt", "llm.c", "llm.c-cudnn-system"]
     assert [r["ms_per_step"] for r in results[:2]] == [10.0, 10.0]
     errors = [r["error"] for r in results[2:]]
     if llmc_fault == "no_make":
@@ -385,3 +419,54 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
                           "cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId), file, line);`, found 0"] * 2
     err = capsys.readouterr().err
     assert err.count("warning: peers: llm.c") == 2 and "Traceback" not in err
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("ldd") is None, reason="needs a C compiler and ldd")
+def test_the_cudnn_an_llmc_binary_loads_is_named_by_its_own_version(tmp_path):
+    """A stand-in libcudnn.so.9 whose cudnnGetVersion() says 9.14.0, and a program linked against it:
+    the library its loader resolves, asked for its version, as cuDNN 9 encodes it."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (tmp_path / "cudnn.c").write_text("int cudnnGetVersion(void) { return 91400; }\n")
+    (tmp_path / "main.c").write_text("int cudnnGetVersion(void);\nint main(void) { return cudnnGetVersion() == 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcudnn.so.9", "-o", lib / "libcudnn.so.9",
+                    tmp_path / "cudnn.c"], check=True)
+    os.symlink("libcudnn.so.9", lib / "libcudnn.so")
+    subprocess.run(["cc", "-o", tmp_path / "train_gpt2cu", tmp_path / "main.c", f"-L{lib}", "-lcudnn",
+                    f"-Wl,-rpath,{lib}"], check=True)
+    assert peers.loaded_cudnn(str(tmp_path / "train_gpt2cu")) == f"9.14.0 ({lib / 'libcudnn.so.9'})"
+    assert peers.loaded_cudnn(sys.executable) == "unknown"  # links no cuDNN
+
+
+def test_llmc_is_built_against_each_cudnn_the_machine_has(llmc, tmp_path, monkeypatch):
+    """Without cuDNN, then with cuDNN attention against the nvidia-cudnn wheel's and the system's;
+    each cuDNN build runs at ZeRO stage 0 and 1. With neither, one row says so."""
+    os.makedirs(os.path.join(llmc, "cudnn-frontend", "include"))
+    config = peers.PeersConfig(llmc, "", micro_batch_size=2, seq_len=8, total_batch_size=16, steps=2, warmup=1,
+                               gpu_arch="90", timeout=60)
+    monkeypatch.setattr(peers, "cudnn_wheel_files", lambda: (str(tmp_path), str(tmp_path / "libcudnn.so.9")))
+    monkeypatch.setattr(peers, "system_cudnn", lambda: "/usr/lib/libcudnn.so")
+    builds = peers.llmc_builds(config, lambda build: str(tmp_path / "work" / build))
+    assert list(builds) == ["llm.c", "llm.c-cudnn-wheel", "llm.c-cudnn-system"]
+    (plain, _), (wheel, _), (system, _) = builds.values()
+    assert "USE_CUDNN=0" in plain and "USE_CUDNN=1" in wheel and "USE_CUDNN=1" in system
+    assert f"-rpath={tmp_path}" in wheel[-1] and "-lcudnn" not in system[-1] and f"-I{tmp_path}" not in " ".join(system)
+    assert [peers.llmc_runs(build) for build in builds] == [
+        [("llm.c", 1)], [("llm.c-cudnn-wheel-z0", 0), ("llm.c-cudnn-wheel-z1", 1)],
+        [("llm.c-cudnn-system-z0", 0), ("llm.c-cudnn-system-z1", 1)]]
+    monkeypatch.setattr(peers, "cudnn_wheel_files", lambda: None)
+    monkeypatch.setattr(peers, "system_cudnn", lambda: None)
+    builds = peers.llmc_builds(config, lambda build: str(tmp_path / "work" / build))
+    assert list(builds) == ["llm.c", "llm.c-cudnn"] and str(builds["llm.c-cudnn"][0]).startswith("no cuDNN: neither")
+
+
+def test_the_systems_cudnn_is_the_one_the_loaders_cache_names(tmp_path, monkeypatch):
+    fake_program(tmp_path / "bin", "ldconfig", """echo '123 libs found in cache `/etc/ld.so.cache'"'"
+echo '	libcudnn_ops.so.9 (libc6,x86-64) => /lib/x86_64-linux-gnu/libcudnn_ops.so.9'
+echo '	libcudnn.so.9 (libc6,x86-64) => /lib/x86_64-linux-gnu/libcudnn.so.9'
+echo '	libcudnn.so (libc6,x86-64) => /lib/x86_64-linux-gnu/libcudnn.so'
+""")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert peers.system_cudnn() == "/lib/x86_64-linux-gnu/libcudnn.so"
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert peers.system_cudnn() is None
