@@ -460,6 +460,51 @@ def test_runs_that_start_over_keep_one_earlier_run_and_say_where_it_went(shards,
     assert (tmp_path / "ckpt_000002.pt").exists()
 
 
+def earlier_runs(log_dir):
+    """{name: sorted names of its files} of each previous_* folder in log_dir."""
+    return {name: sorted(listdir(log_dir / name)) for name in listdir(log_dir) if name.startswith("previous_")}
+
+
+def test_a_start_over_that_fails_at_its_first_step_never_displaces_the_run_with_checkpoints(shards, tmp_path, capsys):
+    """Two start-overs that fail at step 0 (an out-of-memory step at -B 8) leave only a log.jsonl
+    each: neither is the earlier run that a later start-over keeps. Only a run with a checkpoint
+    replaces the run whose checkpoints were moved aside."""
+    train(shards, tmp_path, *RUN)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl")}
+    failing = ["--data_dir", shards, "--log_dir", tmp_path, *RUN, "--resume", "none", "--fault", "oom@0"]
+    assert error_of(capsys, *failing) == "error: out of memory at step 0 at -B 8: try -B auto, or a smaller -B"
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + [str(flag) for flag in failing])
+    moved = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--resume none:")]
+    [(real, files)] = [(name, files) for name, files in earlier_runs(tmp_path).items() if "log.jsonl" in files
+                       and len(files) == 3]
+    assert all((tmp_path / real / name).read_bytes() == data for name, data in saved.items())
+    [empty] = [name for name in earlier_runs(tmp_path) if name != real]
+    assert earlier_runs(tmp_path)[empty] == ["log.jsonl"]
+    assert moved == [
+        f"--resume none: moved the earlier run (0.0 MB, no checkpoint) to {tmp_path / empty}; kept "
+        f"{tmp_path / real} ({logdir.megabytes(tmp_path / real)}): a run without a checkpoint never replaces one with"]
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")  # a run that writes a checkpoint...
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")  # ...replaces them both at the next start
+    assert list(earlier_runs(tmp_path).values()) == [["ckpt_000002.pt", "log.jsonl"]]
+
+
+@pytest.mark.slow
+def test_a_start_over_killed_before_its_first_checkpoint_never_displaces_the_run_with_checkpoints(shards, tmp_path):
+    """A start-over SIGKILLed at step 1 (or stopped by Ctrl-C twice) leaves a log.jsonl and no
+    checkpoint; the next start-over keeps the run whose checkpoints the killed one moved aside."""
+    train(shards, tmp_path, *RUN)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("ckpt_000004.pt", "ckpt_000008.pt")}
+    killed = run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN, "--resume", "none", "--fault", "sigkill@1")
+    assert killed.returncode == -signal.SIGKILL
+    assert [name for name in listdir(tmp_path) if not name.startswith("previous_")] == ["log.jsonl"]
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")
+    [real] = [name for name, files in earlier_runs(tmp_path).items() if "ckpt_000008.pt" in files]
+    assert all((tmp_path / real / name).read_bytes() == data for name, data in saved.items())
+    assert sorted(earlier_runs(tmp_path).values()) == [["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"],
+                                                       ["log.jsonl"]]
+
+
 def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_directory_is_refused(shards, tmp_path,
                                                                                                 capsys):
     train(shards, tmp_path, *RUN, "--max_steps", "4")
