@@ -188,21 +188,51 @@ def random_state():
 
 def restore_random_state(path, saved, dropout, log):
     """Restores this rank's random state from saved, a checkpoint's "rng": one random_state() per
-    rank (an older checkpoint's is one dict, of one rank). Saved on another number of ranks it
-    restores none, and under dropout logs that the masks are drawn afresh: each rank keeps the
-    seed the run gave it."""
-    states = [saved] if isinstance(saved, dict) else list(saved)
+    rank (an older checkpoint's is one dict, of one rank). Every rank checks every rank's state and
+    restores its own, then all agree, as on the optimizer's state: a state that cannot be restored
+    is one CheckpointError naming the rank, on every rank, none left waiting at a collective. Saved
+    on another number of ranks it restores none, and under dropout logs that the masks are drawn
+    afresh: each rank keeps the seed the run gave it."""
+    states = [saved] if isinstance(saved, dict) else saved
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if len(states) != ranks:
-        if dropout:
-            log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
-                f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
-                f"are not those of the run uninterrupted")
-        return
-    torch.set_rng_state(states[rank]["cpu"])
-    if states[rank]["cuda"] and torch.cuda.is_available():
-        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
-        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+    problem = random_states_problem(states)
+    if problem is None and len(states) == ranks:
+        try:
+            torch.set_rng_state(states[rank]["cpu"])
+            if states[rank]["cuda"] and torch.cuda.is_available():
+                # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+                torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = f"rank {rank}'s state: {first_line(e)}"
+    problems = [p for p in every_rank(problem) if p]
+    if problems:
+        raise CheckpointError(f"{path}: its rng cannot be restored ({problems[0]})")
+    if len(states) != ranks and dropout:
+        log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
+            f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
+            f"are not those of the run uninterrupted")
+
+
+# The bytes of a CUDA generator's state: its seed and its offset, 8 each.
+CUDA_STATE_BYTES = 16
+
+
+def random_states_problem(states):
+    """Why states, every rank's random_state() as a checkpoint holds them, cannot be restored, or
+    None; every rank's is checked, whichever restores it."""
+    if not isinstance(states, (list, tuple)) or not states:
+        return f"it is {brief(states)}, not a list of one random state per rank"
+    for rank, state in enumerate(states):
+        if not isinstance(state, dict) or not isinstance(state.get("cuda"), (list, tuple)):
+            return f"rank {rank}'s state is {brief(state)}, not a dict of the CPU's state and a list of the GPUs'"
+        try:
+            torch.Generator().set_state(state.get("cpu"))  # a scratch generator: this one's stays as it is
+        except (TypeError, RuntimeError) as e:
+            return f"rank {rank}'s CPU state: {first_line(e)}"
+        if not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.numel() == CUDA_STATE_BYTES
+                   for s in state["cuda"]):
+            return f"rank {rank}'s CUDA states are not {CUDA_STATE_BYTES} bytes each"
+    return None
 
 
 def restore_training(state, path, raw_model, optimizer, scaler, train_loader, log=print):
@@ -248,8 +278,7 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader, lo
             scaler.load_state_dict(state["scaler"])
     with restoring(path, "train_loader"):
         train_loader.load_state_dict(state["train_loader"])
-    with restoring(path, "rng"):
-        restore_random_state(path, state["rng"], dropout, log)
+    restore_random_state(path, state["rng"], dropout, log)
     return step
 
 
