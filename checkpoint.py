@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
 from cli import PLAIN_TYPES, Parser, brief, first_line, structure_problem
-from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
+from dcp_reader import (CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata,
+                        refuse_link)
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
 from muon import OPTIMIZERS, OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
@@ -536,6 +537,7 @@ def load_checkpoint(path, map_location="cpu"):
     restore_training or loading.load_model."""
     if is_sharded_checkpoint(path):
         check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
+        refuse_link(os.path.join(path, TRAIN_STATE))
         return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
     return _load_plain(path, map_location)
 
@@ -599,7 +601,7 @@ def plain_state_dict(state_dict):
 # ----------------------------------------------------------------------------- sharded checkpoints
 
 def is_sharded_checkpoint(path):
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, TRAIN_STATE))
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, TRAIN_STATE))  # a link is one, to be refused
 
 
 def save_dcp(path, model, optimizer, state, async_save=False):

@@ -152,6 +152,7 @@ STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
     (truncate, STORAGE_FILE, "truncated or damaged storage file"),
     (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
     (to_dev_zero, ".metadata", "a symbolic link, not a regular file"),
+    (to_dev_zero, checkpoint.TRAIN_STATE, "a symbolic link, not a regular file"),
 ])
 def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                                   capsys, damage, file, expected):
@@ -329,8 +330,9 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata"])
-def test_a_storage_or_metadata_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
+@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata", checkpoint.TRAIN_STATE])
+def test_a_file_of_a_sharded_checkpoint_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
+    """A link could lead anywhere: followed, the conversion would copy the file it leads to."""
     ckpt = copy / "ckpt_000004"
     shutil.move(ckpt / file, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", ckpt / file)
