@@ -477,7 +477,7 @@ def prune_checkpoints(log_dir, keep_last):
     remove_unfinished(log_dir)
     if keep_last > 0:
         for path in list_checkpoints(log_dir)[:-keep_last]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            remove_entry(path)
 
 
 def remove_unfinished(log_dir):
@@ -485,7 +485,15 @@ def remove_unfinished(log_dir):
     ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
     for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
         if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            remove_entry(path)
+
+
+def remove_entry(path):
+    """Removes path: a directory with all it holds, or a file or a link (never what a link leads to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def room_problem(directory, states):
@@ -632,8 +640,8 @@ def save_dcp(path, model, optimizer, state, async_save=False):
         if failed:  # a full disk on some rank: no half-written directory stays behind
             shutil.rmtree(partial, ignore_errors=True)
             return
-        if os.path.isdir(path):  # the same step saved again (a run resumed before it)
-            shutil.rmtree(path)
+        if os.path.lexists(path):  # the same step saved again (a run resumed before it)
+            remove_entry(path)
         os.rename(partial, path)
 
     if not async_save:
@@ -673,7 +681,8 @@ def save_error(error):
 def save_train_state(partial, state):
     """Rank 0's part of a sharded checkpoint, begun afresh in partial; why it failed, or None."""
     try:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
+        if os.path.lexists(partial):  # left by a run killed while writing it
+            remove_entry(partial)
         os.makedirs(partial)
         with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
             torch.save(state, f)

@@ -420,6 +420,22 @@ def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_p
     assert sorted(listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
 
 
+def test_a_partial_save_or_a_checkpoint_that_is_a_link_is_removed_as_a_link(shards, tmp_path):
+    """A ckpt_*.partial that links to a folder (which once stopped every start), or a checkpoint
+    that does, pruned: the link goes, never what it leads to."""
+    elsewhere, log_dir = tmp_path / "elsewhere", tmp_path / "log"
+    elsewhere.mkdir()
+    log_dir.mkdir()
+    (elsewhere / "notes.txt").write_text("the user's own")
+    os.symlink(elsewhere, log_dir / "ckpt_000006.partial")
+    train(shards, log_dir, *RUN)
+    assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    os.symlink(elsewhere, log_dir / "ckpt_000002")  # named as a sharded checkpoint, the oldest
+    checkpoint.prune_checkpoints(str(log_dir), keep_last=2)
+    assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    assert listdir(elsewhere) == ["notes.txt"]
+
+
 @pytest.mark.slow
 def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_moves_the_run_aside(shards, tmp_path):
     train(shards, tmp_path, *RUN)
