@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
 from cli import check_not_negative, check_positive, preset_names, setting
-from faults import parse_fault
+from faults import fault_problem, parse_fault
 from model import RECOMPUTE, GPTConfig
 from muon import OptimizerConfig
 from tokenizer import PADDED_VOCAB
@@ -216,9 +216,14 @@ class TrainConfig:
             raise ValueError(f"--seq_len {self.batch.seq_len} is longer than --block_size {self.model.block_size}")
         if self.checkpoints.async_checkpoint and not self.scale.fsdp:
             raise ValueError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+        if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps)):
+            raise ValueError(problem)
 
     def world_size_problem(self, world_size):
-        """Why this run cannot split its batch over world_size ranks, or None."""
+        """Why this run cannot split its batch over world_size ranks, or inject a --fault on a rank
+        it names, or None."""
+        if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps), world_size):
+            return problem
         batch = self.batch
         auto = batch.micro_batch_size == "auto"
         tokens_per_pass = batch.seq_len * world_size if auto else batch.tokens_per_pass(world_size)

@@ -116,6 +116,31 @@ def test_malicious_checkpoint_is_refused_and_never_runs(shards, tmp_path, capsys
     assert not os.path.exists(marker)
 
 
+def test_a_fault_that_could_never_fire_is_one_line(shards, tmp_path, capsys):
+    """A fault test whose fault never fires would pass without testing anything: an empty rank
+    (once read as every rank), a step past --max_steps or before the resumed step, a rank the
+    run lacks (once accepted, the run exiting 0)."""
+    common = ["--data_dir", shards, "--log_dir", tmp_path, *RUN]  # 8 steps, one process
+    assert error_of(capsys, *common, "--fault", "oom@2:").endswith(
+        "error: argument --fault: 'oom@2:' is not KIND@STEP[:RANK] with KIND one of nan, oom, sigterm, sigkill "
+        "(see --help)")
+    assert error_of(capsys, *common, "--fault", "nan@8").endswith(
+        "error: --fault nan@8: this run trains steps 0 to 7, never step 8 (see --help)")
+    assert error_of(capsys, *common, "--fault", "oom@2:1") == "error: --fault oom@2:1: no rank 1 in a run of 1 rank(s)"
+    train(shards, tmp_path, *RUN, "--max_steps", "4")
+    assert error_of(capsys, *common, "--fault", "nan@3") == "error: --fault nan@3: this run trains steps 4 to 7, never step 3"
+    assert [r["step"] for r in train_records(read_log(tmp_path))] == [0, 1, 2, 3]  # nothing past the checkpoint lost
+
+
+@pytest.mark.slow
+def test_a_fault_on_a_rank_the_run_lacks_is_one_line_on_two_ranks(shards, tmp_path):
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
+                          "--fault", "oom@2:2", timeout=120)
+    assert result.returncode != 0 and result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    assert "error: --fault oom@2:2: no rank 2 in a run of 2 rank(s)" in result.stderr
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
 def test_nan_steps_are_skipped_without_touching_the_weights(shards, tmp_path):
     records = train(shards, tmp_path, *RUN, "--checkpoint_interval", "3", "--max_steps", "6",
                     "--fault", "nan@3", "--fault", "nan@4")
