@@ -16,7 +16,8 @@ import export_hf
 import hellaswag
 import sample
 from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
-                      one_line_error, read_metadata, run_bounded, run_torchrun, train, write_jsonl)
+                      make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun,
+                      save_as_checkpoint, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -480,3 +481,17 @@ def test_a_bad_random_state_of_one_rank_stops_every_rank_with_one_line(copy, sha
     assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [
         f"rank 0 stops: {expected}", f"rank 1 stops: {expected}"], result.stdout[-3000:]
     assert result.stderr.count(f"error: {expected}") == 1 and "exitcode  : 1" in result.stderr
+
+
+@pytest.mark.parametrize("row, where", [
+    (50300, ", only in rows 50257-50303, which pad the vocabulary and which no token id reaches"),
+    (50256, ""),  # <|endoftext|>'s row: a token reaches it
+])
+def test_non_finite_weights_are_refused_naming_the_padding_rows_when_only_they_hold_them(tmp_path, row, where):
+    model = make_tiny_gpt()
+    with torch.no_grad():
+        model.transformer.wte.weight[row, 3] = float("nan")
+    path = save_as_checkpoint(model, tmp_path / "ckpt_000010.pt")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        loading.load_model(path)
+    assert str(e.value) == f"{path}: transformer.wte.weight holds NaN or infinite values{where}: no model to use"
