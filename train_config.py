@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import check_not_negative, check_positive, preset_names, setting
+from cli import brief, check_not_negative, check_positive, preset_names, setting
 from faults import fault_problem, parse_fault
 from model import RECOMPUTE, GPTConfig
 from muon import OptimizerConfig
@@ -30,7 +30,7 @@ def parse_micro_batch(text):
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of sequences nor auto") from None
+        raise argparse.ArgumentTypeError(f"{brief(text)} is neither a number of sequences nor auto") from None
 
 
 @dataclass(frozen=True)

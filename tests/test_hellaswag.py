@@ -203,6 +203,9 @@ def test_labels_may_be_ints_or_digit_strings(examples):
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 4}', "label must be 0 to 3"),
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": "x"}', "label must be 0 to 3"),
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": true}', "label must be 0 to 3"),
+    pytest.param('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": "' + "7" * 100_000 + '"}',
+                 "label must be 0 to 3 (an int or a digit string), not '7777777777777777777777777777777777777777'... "
+                 "(100,000 characters)", id="label-of-100000-characters"),
     ('{"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0}', "ctx must be a non-empty string"),
     ('[1, 2]', "not a JSON object"),
     ('{"ctx": "A man \\ud800", "endings": ["a", "b", "c", "d"], "label": 0}',
