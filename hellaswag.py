@@ -77,7 +77,8 @@ def parse_example(line):
     if isinstance(label, str) and label in [str(i) for i in range(N_ENDINGS)]:
         label = int(label)
     if type(label) is not int or not 0 <= label < N_ENDINGS:  # type(): True is an int too
-        raise ValueError(f"label must be 0 to {N_ENDINGS - 1} (an int or a digit string), not {brief(example['label'])}")
+        raise ValueError(f"label must be 0 to {N_ENDINGS - 1} (an int or a digit string), "
+                         f"not {brief(example['label'])}")
     return {"ctx": ctx, "endings": endings, "label": label}
 
 

@@ -452,7 +452,8 @@ def train(cfg):  # each rank says why it stops: only rank 0 prints the error lin
     try:
         return real_train(cfg)
     except Exception as e:
-        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())  # one write: the ranks' lines never interleave
+        # One write, so that the two ranks' lines never interleave.
+        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())
         raise
 train_gpt2.train = train
 train_gpt2.main()

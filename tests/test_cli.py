@@ -124,7 +124,8 @@ def test_model_sizes_no_gpt_can_have_are_refused_by_gptconfigs_own_check(capsys,
     pytest.param("micro_batch_size = '" + "x" * 1000 + "'", "micro_batch_size must be what --micro_batch_size takes: "
                  "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1,000 characters) is neither", id="long -B"),
     pytest.param("data_dir = '" + "x" * 900_000 + "'", "data_dir is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... "
-                 "(900,000 characters), longer than any flag's value (4,096 characters at most)", id="900,000 characters"),
+                 "(900,000 characters), longer than any flag's value (4,096 characters at most)",
+                 id="900,000 characters"),
     pytest.param("'" + "k" * 900_000 + "' = 1", "unknown key 'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk'... "
                  "(900,000 characters)", id="900,000-character key"),
 ])

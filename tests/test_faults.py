@@ -128,7 +128,8 @@ def test_a_fault_that_could_never_fire_is_one_line(shards, tmp_path, capsys):
         "error: --fault nan@8: this run trains steps 0 to 7, never step 8 (see --help)")
     assert error_of(capsys, *common, "--fault", "oom@2:1") == "error: --fault oom@2:1: no rank 1 in a run of 1 rank(s)"
     train(shards, tmp_path, *RUN, "--max_steps", "4")
-    assert error_of(capsys, *common, "--fault", "nan@3") == "error: --fault nan@3: this run trains steps 4 to 7, never step 3"
+    assert error_of(capsys, *common, "--fault", "nan@3") == (
+        "error: --fault nan@3: this run trains steps 4 to 7, never step 3")
     assert [r["step"] for r in train_records(read_log(tmp_path))] == [0, 1, 2, 3]  # nothing past the checkpoint lost
 
 
