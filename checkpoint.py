@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
 from cli import PLAIN_TYPES, Parser, brief, first_line, structure_problem
-from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata
+from dcp_reader import (CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata,
+                        refuse_link)
 from distributed import RunError, agree, every_rank, host_group
 from model import GPT, GPTConfig
 from muon import OPTIMIZERS, OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
@@ -188,21 +189,51 @@ def random_state():
 
 def restore_random_state(path, saved, dropout, log):
     """Restores this rank's random state from saved, a checkpoint's "rng": one random_state() per
-    rank (an older checkpoint's is one dict, of one rank). Saved on another number of ranks it
-    restores none, and under dropout logs that the masks are drawn afresh: each rank keeps the
-    seed the run gave it."""
-    states = [saved] if isinstance(saved, dict) else list(saved)
+    rank (an older checkpoint's is one dict, of one rank). Every rank checks every rank's state and
+    restores its own, then all agree, as on the optimizer's state: a state that cannot be restored
+    is one CheckpointError naming the rank, on every rank, none left waiting at a collective. Saved
+    on another number of ranks it restores none, and under dropout logs that the masks are drawn
+    afresh: each rank keeps the seed the run gave it."""
+    states = [saved] if isinstance(saved, dict) else saved
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if len(states) != ranks:
-        if dropout:
-            log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
-                f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
-                f"are not those of the run uninterrupted")
-        return
-    torch.set_rng_state(states[rank]["cpu"])
-    if states[rank]["cuda"] and torch.cuda.is_available():
-        # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
-        torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+    problem = random_states_problem(states)
+    if problem is None and len(states) == ranks:
+        try:
+            torch.set_rng_state(states[rank]["cpu"])
+            if states[rank]["cuda"] and torch.cuda.is_available():
+                # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+                torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = f"rank {rank}'s state: {first_line(e)}"
+    problems = [p for p in every_rank(problem) if p]
+    if problems:
+        raise CheckpointError(f"{path}: its rng cannot be restored ({problems[0]})")
+    if len(states) != ranks and dropout:
+        log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
+            f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
+            f"are not those of the run uninterrupted")
+
+
+# The bytes of a CUDA generator's state: its seed and its offset, 8 each.
+CUDA_STATE_BYTES = 16
+
+
+def random_states_problem(states):
+    """Why states, every rank's random_state() as a checkpoint holds them, cannot be restored, or
+    None; every rank's is checked, whichever restores it."""
+    if not isinstance(states, (list, tuple)) or not states:
+        return f"it is {brief(states)}, not a list of one random state per rank"
+    for rank, state in enumerate(states):
+        if not isinstance(state, dict) or not isinstance(state.get("cuda"), (list, tuple)):
+            return f"rank {rank}'s state is {brief(state)}, not a dict of the CPU's state and a list of the GPUs'"
+        try:
+            torch.Generator().set_state(state.get("cpu"))  # a scratch generator: this one's stays as it is
+        except (TypeError, RuntimeError) as e:
+            return f"rank {rank}'s CPU state: {first_line(e)}"
+        if not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.numel() == CUDA_STATE_BYTES
+                   for s in state["cuda"]):
+            return f"rank {rank}'s CUDA states are not {CUDA_STATE_BYTES} bytes each"
+    return None
 
 
 def restore_training(state, path, raw_model, optimizer, scaler, train_loader, log=print):
@@ -248,8 +279,7 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader, lo
             scaler.load_state_dict(state["scaler"])
     with restoring(path, "train_loader"):
         train_loader.load_state_dict(state["train_loader"])
-    with restoring(path, "rng"):
-        restore_random_state(path, state["rng"], dropout, log)
+    restore_random_state(path, state["rng"], dropout, log)
     return step
 
 
@@ -447,7 +477,7 @@ def prune_checkpoints(log_dir, keep_last):
     remove_unfinished(log_dir)
     if keep_last > 0:
         for path in list_checkpoints(log_dir)[:-keep_last]:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            remove_entry(path)
 
 
 def remove_unfinished(log_dir):
@@ -455,7 +485,15 @@ def remove_unfinished(log_dir):
     ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
     for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
         if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            remove_entry(path)
+
+
+def remove_entry(path):
+    """Removes path: a directory with all it holds, or a file or a link (never what a link leads to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def room_problem(directory, states):
@@ -507,6 +545,7 @@ def load_checkpoint(path, map_location="cpu"):
     restore_training or loading.load_model."""
     if is_sharded_checkpoint(path):
         check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
+        refuse_link(os.path.join(path, TRAIN_STATE))
         return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
     return _load_plain(path, map_location)
 
@@ -570,7 +609,7 @@ def plain_state_dict(state_dict):
 # ----------------------------------------------------------------------------- sharded checkpoints
 
 def is_sharded_checkpoint(path):
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, TRAIN_STATE))
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, TRAIN_STATE))  # a link is one, to be refused
 
 
 def save_dcp(path, model, optimizer, state, async_save=False):
@@ -601,8 +640,8 @@ def save_dcp(path, model, optimizer, state, async_save=False):
         if failed:  # a full disk on some rank: no half-written directory stays behind
             shutil.rmtree(partial, ignore_errors=True)
             return
-        if os.path.isdir(path):  # the same step saved again (a run resumed before it)
-            shutil.rmtree(path)
+        if os.path.lexists(path):  # the same step saved again (a run resumed before it)
+            remove_entry(path)
         os.rename(partial, path)
 
     if not async_save:
@@ -642,7 +681,8 @@ def save_error(error):
 def save_train_state(partial, state):
     """Rank 0's part of a sharded checkpoint, begun afresh in partial; why it failed, or None."""
     try:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing it
+        if os.path.lexists(partial):  # left by a run killed while writing it
+            remove_entry(partial)
         os.makedirs(partial)
         with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
             torch.save(state, f)

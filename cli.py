@@ -164,7 +164,7 @@ class Parser(argparse.ArgumentParser):
         for key, value in values.items():
             action = flags.get(key)
             if action is None or key in not_keys or key == "help":
-                self.error(f"{path}: unknown key {key!r} (not one of the flags' long names)")
+                self.error(f"{path}: unknown key {brief(key)} (not one of the flags' long names)")
             if isinstance(action, Retired):
                 self.error(f"{path}: {key}: {action.message()}")
             values[key] = value = as_switch(action, value)
@@ -204,8 +204,15 @@ def as_switch(action, value):
     return value
 
 
+# A config file's string is at most a path, which Linux bounds at 4,096 bytes (PATH_MAX): a longer
+# one is a mistake, which messages would otherwise echo whole.
+MAX_VALUE_CHARS = 4096
+
+
 def value_problem(action, value):
     """Why value (read from a config file) cannot be action's, or None."""
+    if type(value) is str and len(value) > MAX_VALUE_CHARS:
+        return f"is {brief(value)}, longer than any flag's value ({MAX_VALUE_CHARS:,} characters at most)"
     if isinstance(action, argparse._StoreTrueAction):
         expected = bool
     elif action.type in (int, float):
@@ -233,11 +240,12 @@ def value_problem(action, value):
 
 
 def brief(value):
-    """value, read from a user's file, as text of bounded length for a message: a short string or
-    a machine-sized number as written, anything else by its type (a shared nested list can be cheap
-    to read and endless to print)."""
-    if (type(value) is str and len(value) <= 100) or type(value) in (bool, float, type(None)) \
-            or (type(value) is int and abs(value) < 1 << 64):
+    """value, read from a user's file, as text of bounded length for a message: a string as written
+    (past 100 characters, its first 40 and its length), a machine-sized number as written, anything
+    else by its type (a shared nested list can be cheap to read and endless to print)."""
+    if type(value) is str and len(value) > 100:
+        return f"{value[:40]!r}... ({len(value):,} characters)"
+    if type(value) in (str, bool, float, type(None)) or (type(value) is int and abs(value) < 1 << 64):
         return repr(value)
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

@@ -84,8 +84,7 @@ def read_metadata(path):
     """The DCP Metadata of the sharded checkpoint at path, built by MetadataUnpickler alone from
     its .metadata, a regular file in path (not a link)."""
     file = os.path.join(path, ".metadata")
-    if os.path.islink(file):  # a link could lead anywhere, as a storage file's could
-        raise CheckpointError(f"{file}: a symbolic link, not a regular file: no .metadata that train_gpt2.py writes")
+    refuse_link(file)
     try:
         with open_regular(file, "rb") as f:
             # Up to its size: read(n) allocates n bytes first, and 1 GiB fails under a memory limit
@@ -112,6 +111,14 @@ def read_metadata(path):
             or not isinstance(getattr(metadata, "storage_data", None), dict):
         raise CheckpointError(f"{file}: damaged (not DCP's metadata)")
     return metadata
+
+
+def refuse_link(file):
+    """CheckpointError if file, of a sharded checkpoint, is a symbolic link: it could lead
+    anywhere, as a storage file's could (check_storage_files)."""
+    if os.path.islink(file):
+        raise CheckpointError(f"{file}: a symbolic link, not a regular file: no {os.path.basename(file)} that "
+                              f"train_gpt2.py writes")
 
 
 class PlainDataPlanner(DefaultLoadPlanner):

@@ -8,22 +8,42 @@ import signal
 
 import torch
 
+from cli import brief
+from distributed import RunError
+
 KINDS = ("nan", "oom", "sigterm", "sigkill")
 
 
 def parse_fault(spec):
     """KIND@STEP[:RANK] -> (kind, step, rank or None); the --fault flag's type."""
     kind, _, where = spec.partition("@")
-    step, _, rank = where.partition(":")
-    if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
-        raise argparse.ArgumentTypeError(f"{spec!r} is not KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
-    return kind, int(step), int(rank) if rank else None
+    step, colon, rank = where.partition(":")
+    if kind not in KINDS or not step.isdecimal() or (colon and not rank.isdecimal()):
+        raise argparse.ArgumentTypeError(f"{brief(spec)} is not KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
+    return kind, int(step), int(rank) if colon else None
+
+
+def fault_problem(specs, steps, world_size=None):
+    """Why a fault of specs (parse_fault's tuples) would never fire in a run that trains steps (a
+    range) on world_size ranks (None: not known yet), or None: a fault test whose fault never
+    fires would pass without testing anything."""
+    for kind, step, rank in specs or []:
+        spec = f"--fault {kind}@{step}" + ("" if rank is None else f":{rank}")
+        if step not in steps:
+            trained = f"steps {steps.start} to {steps.stop - 1}" if steps else "no step"
+            return f"{spec}: this run trains {trained}, never step {step}"
+        if world_size is not None and rank is not None and rank >= world_size:
+            return f"{spec}: no rank {rank} in a run of {world_size} rank(s)"
+    return None
 
 
 class Faults:
-    """The faults of specs (parse_fault's tuples) that fall on rank, fired by before_step."""
+    """The faults of specs (parse_fault's tuples) that fall on rank, fired by before_step; a
+    RunError, on every rank alike, if one falls on none of steps (the range the run trains)."""
 
-    def __init__(self, specs, rank, model):
+    def __init__(self, specs, rank, model, steps):
+        if problem := fault_problem(specs, steps):
+            raise RunError(problem)
         self.at_step = {}
         self.nan_now = self.oom_now = False
         for kind, step, only_rank in specs or []:

@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from atomic import atomic_open
-from cli import Parser, UnreadableFile, gpt2_vocab_problem, progress_meter, read_lines
+from cli import Parser, UnreadableFile, brief, gpt2_vocab_problem, progress_meter, read_lines
 from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
 from loading import check_source, load_model_on
@@ -68,11 +68,17 @@ def parse_example(line):
         raise ValueError("ctx must be a non-empty string")
     if not isinstance(endings, list) or len(endings) != N_ENDINGS or not all(isinstance(e, str) and e for e in endings):
         raise ValueError(f"endings must be a list of {N_ENDINGS} non-empty strings")
+    for field, text in [("ctx", ctx), *((f"ending {i}", ending) for i, ending in enumerate(endings))]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's \ud800 escape decodes to a lone surrogate, which no text holds
+            raise ValueError(f"{field} holds {text[e.start]!r}, a lone surrogate: not Unicode text") from None
     # The original files hold ints; other copies (Hugging Face's) hold digit strings.
     if isinstance(label, str) and label in [str(i) for i in range(N_ENDINGS)]:
         label = int(label)
     if type(label) is not int or not 0 <= label < N_ENDINGS:  # type(): True is an int too
-        raise ValueError(f"label must be 0 to {N_ENDINGS - 1} (an int or a digit string), not {example['label']!r}")
+        raise ValueError(f"label must be 0 to {N_ENDINGS - 1} (an int or a digit string), "
+                         f"not {brief(example['label'])}")
     return {"ctx": ctx, "endings": endings, "label": label}
 
 

@@ -13,7 +13,7 @@ from cli import first_line, parse_json
 from distributed import RunError
 
 RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
-PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}")  # an earlier run, moved aside by tidy_log_dir
+PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}(-\d+)?")  # an earlier run, moved aside by tidy_log_dir
 
 
 def make_log_dir(log_dir):
@@ -38,8 +38,10 @@ def claim_log_dir(log_dir, enabled):
 def tidy_log_dir(log_dir, resume, log, enabled):
     """On rank 0 (enabled): removes what killed saves left; starting over (--resume none) where a
     run already is, moves that run's files into log_dir/previous_<time>/, so that no directory
-    ever holds two runs' checkpoints, and removes the previous_<time>/ an earlier start-over made:
-    log_dir keeps at most one earlier run, however often a run starts over there."""
+    ever holds two runs' checkpoints. The previous_<time>/ folders earlier start-overs made are
+    removed, but a run without a checkpoint (a start killed or failed before its first) never
+    replaces one with: log_dir keeps the newest earlier run with a checkpoint, and at most one
+    without, however often a run starts over there."""
     if not enabled:
         return
     try:
@@ -47,19 +49,40 @@ def tidy_log_dir(log_dir, resume, log, enabled):
         names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
         if resume != "none" or not names:
             return
+        with_checkpoint = any(checkpoint.CHECKPOINT_RE.fullmatch(name) for name in names)
         older = [path for path in (os.path.join(log_dir, name) for name in sorted(os.listdir(log_dir))
                                    if PREVIOUS_RE.fullmatch(name)) if os.path.isdir(path) and not os.path.islink(path)]
-        removed = [f"{path} ({megabytes(path)})" for path in older]
-        for path in older:  # first: a start-over within the same second takes the same name
+        kept = [path for path in older if not with_checkpoint and checkpoint.list_checkpoints(path)]
+        removed = [path for path in older if path not in kept]
+        removed_sizes = sized(removed)
+        for path in removed:
             shutil.rmtree(path)
-        aside = os.path.join(log_dir, time.strftime("previous_%Y%m%d-%H%M%S", time.gmtime()))
+        aside = free_previous_name(log_dir)
         os.makedirs(aside)
         for name in names:
             os.rename(os.path.join(log_dir, name), os.path.join(aside, name))
     except OSError as e:
         raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
-    log(f"--resume none: moved the earlier run ({megabytes(aside)}) to {aside}"
-        + (f", and removed the one before it, {', '.join(removed)}" if removed else ""))
+    said = f"moved the earlier run ({megabytes(aside)}{'' if with_checkpoint else ', no checkpoint'}) to {aside}"
+    said += f", and removed the one before it, {removed_sizes}" if removed else ""
+    said += f"; kept {sized(kept)}: a run without a checkpoint never replaces one with" if kept else ""
+    log(f"--resume none: {said}")
+
+
+def free_previous_name(log_dir):
+    """log_dir/previous_<UTC time>, with -1, -2, ... after it where a kept earlier run, moved
+    aside within the same second, has the name."""
+    base = os.path.join(log_dir, time.strftime("previous_%Y%m%d-%H%M%S", time.gmtime()))
+    path, n = base, 0
+    while os.path.lexists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def sized(paths):
+    """Each of paths with its size, as "log/previous_20261127-101010 (84.2 MB)"."""
+    return ", ".join(f"{path} ({megabytes(path)})" for path in paths)
 
 
 def megabytes(directory):

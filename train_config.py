@@ -13,8 +13,8 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import Retired, check_not_negative, check_positive, preset_names, setting
-from faults import parse_fault
+from cli import Retired, brief, check_not_negative, check_positive, preset_names, setting
+from faults import fault_problem, parse_fault
 from loss import LOSSES
 from model import RECOMPUTE, GPTConfig
 from muon import OptimizerConfig
@@ -31,7 +31,7 @@ def parse_micro_batch(text):
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of sequences nor auto") from None
+        raise argparse.ArgumentTypeError(f"{brief(text)} is neither a number of sequences nor auto") from None
 
 
 @dataclass(frozen=True)
@@ -218,9 +218,14 @@ class TrainConfig:
             raise ValueError(f"--seq_len {self.batch.seq_len} is longer than --block_size {self.model.block_size}")
         if self.checkpoints.async_checkpoint and not self.scale.fsdp:
             raise ValueError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
+        if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps)):
+            raise ValueError(problem)
 
     def world_size_problem(self, world_size):
-        """Why this run cannot split its batch over world_size ranks, or None."""
+        """Why this run cannot split its batch over world_size ranks, or inject a --fault on a rank
+        it names, or None."""
+        if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps), world_size):
+            return problem
         batch = self.batch
         auto = batch.micro_batch_size == "auto"
         tokens_per_pass = batch.seq_len * world_size if auto else batch.tokens_per_pass(world_size)

@@ -211,7 +211,7 @@ def train(cfg):
     auto_batch = cfg.batch.micro_batch_size == "auto"
     run = setup(cfg)
     cfg, trainable, log = run.cfg, run.trainable, run.log
-    faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model)
+    faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
     bad_steps = 0  # non-finite steps in a row
     val, stopped = None, False  # val: (step, loss) of the newest val loss
     with distributed.StopSignal() as stop:

@@ -16,7 +16,8 @@ import export_hf
 import hellaswag
 import sample
 from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
-                      one_line_error, read_metadata, run_bounded, train, write_jsonl)
+                      make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun,
+                      save_as_checkpoint, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -152,6 +153,7 @@ STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
     (truncate, STORAGE_FILE, "truncated or damaged storage file"),
     (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
     (to_dev_zero, ".metadata", "a symbolic link, not a regular file"),
+    (to_dev_zero, checkpoint.TRAIN_STATE, "a symbolic link, not a regular file"),
 ])
 def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                                   capsys, damage, file, expected):
@@ -329,8 +331,9 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata"])
-def test_a_storage_or_metadata_file_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
+@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata", checkpoint.TRAIN_STATE])
+def test_a_file_of_a_sharded_checkpoint_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
+    """A link could lead anywhere: followed, the conversion would copy the file it leads to."""
     ckpt = copy / "ckpt_000004"
     shutil.move(ckpt / file, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", ckpt / file)
@@ -399,3 +402,97 @@ def test_the_hyperparameters_that_changed_since_the_checkpoint_are_named_old_to_
     assert checkpoint.changed_hyperparameters(record, run) == [
         "decay_steps a list -> 100", "weight_decay 0.1 -> 0.0", "muon_momentum 0.9 -> 0.5"]
     assert checkpoint.changed_hyperparameters(None, run) == [] and checkpoint.changed_hyperparameters(record, record) == []
+
+
+def cpu_state(data):
+    """A CPU random state of these bytes (uint8)."""
+    return {"cpu": torch.tensor(data, dtype=torch.uint8), "cuda": []}
+
+
+# Random states a checkpoint's "rng" cannot be restored from, and the problem named: a rank's
+# state too short, a string, 100 bytes, of the right size but no generator's, and a string
+# where the list of every rank's belongs (list("abc") would be three ranks').
+BAD_RNG = [
+    pytest.param(lambda good: [good, cpu_state(list(good["cpu"][:-8]))],
+                 "rank 1's CPU state: Expected a CPUGeneratorImplState of size 5056 but found the input RNG state size "
+                 "to be 5048", id="too short"),
+    pytest.param(lambda good: [good, "abc"], "rank 1's state is 'abc', not a dict of the CPU's state and a list of "
+                                            "the GPUs'", id="a string"),
+    pytest.param(lambda good: [good, cpu_state(range(100))], "rank 1's CPU state: Expected a CPUGeneratorImplState of "
+                                                             "size 5056 but found the input RNG state size to be 100",
+                 id="100 bytes"),
+    pytest.param(lambda good: [good, cpu_state([0] * 5056)], "rank 1's CPU state: Invalid mt19937 state",
+                 id="no generator's"),
+    pytest.param(lambda good: [good, {"cpu": good["cpu"], "cuda": [torch.zeros(3)]}],
+                 "rank 1's CUDA states are not 16 bytes each", id="cuda"),
+    pytest.param(lambda good: "abc", "it is 'abc', not a list of one random state per rank", id="rng a string"),
+]
+
+
+@pytest.mark.parametrize("bad, problem", BAD_RNG)
+def test_random_states_that_cannot_be_restored_are_one_line_naming_the_rank(bad, problem):
+    """Every rank's state is checked, whichever rank restores it, and this one's stays as it was."""
+    before = torch.get_rng_state()
+    saved = bad(checkpoint.random_state())
+    for dropout in (0.0, 0.1):
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.restore_random_state("ckpt_000004.pt", saved, dropout, print)
+        assert str(e.value) == f"ckpt_000004.pt: its rng cannot be restored ({problem})"
+        assert torch.equal(torch.get_rng_state(), before)
+
+
+RANK_STOPS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import train_gpt2
+real_train = train_gpt2.train
+
+
+def train(cfg):  # each rank says why it stops: only rank 0 prints the error line
+    try:
+        return real_train(cfg)
+    except Exception as e:
+        # One write, so that the two ranks' lines never interleave.
+        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())
+        raise
+train_gpt2.train = train
+train_gpt2.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale, kind, case", [([], "one-file", 0), (["--fsdp", "1"], "sharded", 1),
+                                               ([], "sharded", 2), (["--fsdp", "1"], "one-file", 3)],
+                         ids=["ddp-one-file", "fsdp-sharded", "ddp-sharded", "fsdp-one-file"])
+def test_a_bad_random_state_of_one_rank_stops_every_rank_with_one_line(copy, shards, tmp_path, scale, kind, case):
+    """Resumed on 2 ranks, a checkpoint whose rank-1 random state cannot be restored: every rank
+    stops with the same line, said once, and none is left waiting (the run ends within the timeout)."""
+    bad, problem = BAD_RNG[case].values
+    one_file = tmp_path / "ckpt_000004.pt"
+    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    state = torch.load(one_file)
+    torch.save({**state, "rng": bad(state["rng"][0])}, one_file)
+    ckpt = as_sharded(one_file, tmp_path / "ckpt_000004") if kind == "sharded" else one_file
+    script = tmp_path / "rank_stops.py"
+    script.write_text(RANK_STOPS.format(repo=REPO))
+    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--max_steps", "6", *scale, "--data_dir", shards,
+                          "--log_dir", tmp_path / "log", "--resume", ckpt, timeout=120)
+    expected = f"{ckpt}: its rng cannot be restored ({problem})"
+    assert result.returncode != 0 and "resuming from" not in result.stdout
+    assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [
+        f"rank 0 stops: {expected}", f"rank 1 stops: {expected}"], result.stdout[-3000:]
+    assert result.stderr.count(f"error: {expected}") == 1 and "exitcode  : 1" in result.stderr
+
+
+@pytest.mark.parametrize("row, where", [
+    (50300, ", only in rows 50257-50303, which pad the vocabulary and which no token id reaches"),
+    (50256, ""),  # <|endoftext|>'s row: a token reaches it
+])
+def test_non_finite_weights_are_refused_naming_the_padding_rows_when_only_they_hold_them(tmp_path, row, where):
+    model = make_tiny_gpt()
+    with torch.no_grad():
+        model.transformer.wte.weight[row, 3] = float("nan")
+    path = save_as_checkpoint(model, tmp_path / "ckpt_000010.pt")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        loading.load_model(path)
+    assert str(e.value) == f"{path}: transformer.wte.weight holds NaN or infinite values{where}: no model to use"

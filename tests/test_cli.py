@@ -118,12 +118,22 @@ def test_model_sizes_no_gpt_can_have_are_refused_by_gptconfigs_own_check(capsys,
     pytest.param("max_lr" + ".a" * 4000 + " = 1", "max_lr must be a number, not a dict",  # its repr: 4000 deep
                  id="deep dotted key"),
     ('log_dir = "log\\u0000x"', "log_dir must not hold a NUL character"),
-    pytest.param("n_layer = '" + "x" * 1000 + "'", "n_layer must be an integer, not a str", id="long string"),
+    pytest.param("n_layer = '" + "x" * 1000 + "'", "n_layer must be an integer, not 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+                 "xxxxxxxx'... (1,000 characters)", id="long string"),
+    pytest.param("micro_batch_size = '" + "x" * 1000 + "'", "micro_batch_size must be what --micro_batch_size takes: "
+                 "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1,000 characters) is neither", id="long -B"),
+    pytest.param("data_dir = '" + "x" * 900_000 + "'", "data_dir is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... "
+                 "(900,000 characters), longer than any flag's value (4,096 characters at most)",
+                 id="900,000 characters"),
+    pytest.param("'" + "k" * 900_000 + "' = 1", "unknown key 'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk'... "
+                 "(900,000 characters)", id="900,000-character key"),
 ])
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, expected):
+    """A value is echoed as brief text: never 900,000 characters of it."""
     config = write(tmp_path / "run.toml", text)
     message = exit_message(capsys, train_gpt2.main, "--config", config)
     assert message.split(": error: ", 1)[1].startswith(f"{config}: {expected}"), message
+    assert len(message) < 300 + len(str(config))
 
 
 def test_a_config_that_is_missing_or_not_a_file_is_one_line(tmp_path, capsys):

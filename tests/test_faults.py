@@ -116,6 +116,32 @@ def test_malicious_checkpoint_is_refused_and_never_runs(shards, tmp_path, capsys
     assert not os.path.exists(marker)
 
 
+def test_a_fault_that_could_never_fire_is_one_line(shards, tmp_path, capsys):
+    """A fault test whose fault never fires would pass without testing anything: an empty rank
+    (once read as every rank), a step past --max_steps or before the resumed step, a rank the
+    run lacks (once accepted, the run exiting 0)."""
+    common = ["--data_dir", shards, "--log_dir", tmp_path, *RUN]  # 8 steps, one process
+    assert error_of(capsys, *common, "--fault", "oom@2:").endswith(
+        "error: argument --fault: 'oom@2:' is not KIND@STEP[:RANK] with KIND one of nan, oom, sigterm, sigkill "
+        "(see --help)")
+    assert error_of(capsys, *common, "--fault", "nan@8").endswith(
+        "error: --fault nan@8: this run trains steps 0 to 7, never step 8 (see --help)")
+    assert error_of(capsys, *common, "--fault", "oom@2:1") == "error: --fault oom@2:1: no rank 1 in a run of 1 rank(s)"
+    train(shards, tmp_path, *RUN, "--max_steps", "4")
+    assert error_of(capsys, *common, "--fault", "nan@3") == (
+        "error: --fault nan@3: this run trains steps 4 to 7, never step 3")
+    assert [r["step"] for r in train_records(read_log(tmp_path))] == [0, 1, 2, 3]  # nothing past the checkpoint lost
+
+
+@pytest.mark.slow
+def test_a_fault_on_a_rank_the_run_lacks_is_one_line_on_two_ranks(shards, tmp_path):
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
+                          "--fault", "oom@2:2", timeout=120)
+    assert result.returncode != 0 and result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    assert "error: --fault oom@2:2: no rank 2 in a run of 2 rank(s)" in result.stderr
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
 def test_nan_steps_are_skipped_without_touching_the_weights(shards, tmp_path):
     records = train(shards, tmp_path, *RUN, "--checkpoint_interval", "3", "--max_steps", "6",
                     "--fault", "nan@3", "--fault", "nan@4")
@@ -420,6 +446,22 @@ def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_p
     assert sorted(listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
 
 
+def test_a_partial_save_or_a_checkpoint_that_is_a_link_is_removed_as_a_link(shards, tmp_path):
+    """A ckpt_*.partial that links to a folder (which once stopped every start), or a checkpoint
+    that does, pruned: the link goes, never what it leads to."""
+    elsewhere, log_dir = tmp_path / "elsewhere", tmp_path / "log"
+    elsewhere.mkdir()
+    log_dir.mkdir()
+    (elsewhere / "notes.txt").write_text("the user's own")
+    os.symlink(elsewhere, log_dir / "ckpt_000006.partial")
+    train(shards, log_dir, *RUN)
+    assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    os.symlink(elsewhere, log_dir / "ckpt_000002")  # named as a sharded checkpoint, the oldest
+    checkpoint.prune_checkpoints(str(log_dir), keep_last=2)
+    assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
+    assert listdir(elsewhere) == ["notes.txt"]
+
+
 @pytest.mark.slow
 def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_moves_the_run_aside(shards, tmp_path):
     train(shards, tmp_path, *RUN)
@@ -458,6 +500,51 @@ def test_runs_that_start_over_keep_one_earlier_run_and_say_where_it_went(shards,
     assert sorted(listdir(tmp_path / second)) == ["ckpt_000002.pt", "log.jsonl"]
     assert read_log(tmp_path / second) == records[1]
     assert (tmp_path / "ckpt_000002.pt").exists()
+
+
+def earlier_runs(log_dir):
+    """{name: sorted names of its files} of each previous_* folder in log_dir."""
+    return {name: sorted(listdir(log_dir / name)) for name in listdir(log_dir) if name.startswith("previous_")}
+
+
+def test_a_start_over_that_fails_at_its_first_step_never_displaces_the_run_with_checkpoints(shards, tmp_path, capsys):
+    """Two start-overs that fail at step 0 (an out-of-memory step at -B 8) leave only a log.jsonl
+    each: neither is the earlier run that a later start-over keeps. Only a run with a checkpoint
+    replaces the run whose checkpoints were moved aside."""
+    train(shards, tmp_path, *RUN)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl")}
+    failing = ["--data_dir", shards, "--log_dir", tmp_path, *RUN, "--resume", "none", "--fault", "oom@0"]
+    assert error_of(capsys, *failing) == "error: out of memory at step 0 at -B 8: try -B auto, or a smaller -B"
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + [str(flag) for flag in failing])
+    moved = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--resume none:")]
+    [(real, files)] = [(name, files) for name, files in earlier_runs(tmp_path).items() if "log.jsonl" in files
+                       and len(files) == 3]
+    assert all((tmp_path / real / name).read_bytes() == data for name, data in saved.items())
+    [empty] = [name for name in earlier_runs(tmp_path) if name != real]
+    assert earlier_runs(tmp_path)[empty] == ["log.jsonl"]
+    assert moved == [
+        f"--resume none: moved the earlier run (0.0 MB, no checkpoint) to {tmp_path / empty}; kept "
+        f"{tmp_path / real} ({logdir.megabytes(tmp_path / real)}): a run without a checkpoint never replaces one with"]
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")  # a run that writes a checkpoint...
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")  # ...replaces them both at the next start
+    assert list(earlier_runs(tmp_path).values()) == [["ckpt_000002.pt", "log.jsonl"]]
+
+
+@pytest.mark.slow
+def test_a_start_over_killed_before_its_first_checkpoint_never_displaces_the_run_with_checkpoints(shards, tmp_path):
+    """A start-over SIGKILLed at step 1 (or stopped by Ctrl-C twice) leaves a log.jsonl and no
+    checkpoint; the next start-over keeps the run whose checkpoints the killed one moved aside."""
+    train(shards, tmp_path, *RUN)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("ckpt_000004.pt", "ckpt_000008.pt")}
+    killed = run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN, "--resume", "none", "--fault", "sigkill@1")
+    assert killed.returncode == -signal.SIGKILL
+    assert [name for name in listdir(tmp_path) if not name.startswith("previous_")] == ["log.jsonl"]
+    train(shards, tmp_path, *RUN, "--max_steps", "2", "--resume", "none")
+    [real] = [name for name, files in earlier_runs(tmp_path).items() if "ckpt_000008.pt" in files]
+    assert all((tmp_path / real / name).read_bytes() == data for name, data in saved.items())
+    assert sorted(earlier_runs(tmp_path).values()) == [["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"],
+                                                       ["log.jsonl"]]
 
 
 def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_directory_is_refused(shards, tmp_path,

@@ -203,8 +203,15 @@ def test_labels_may_be_ints_or_digit_strings(examples):
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 4}', "label must be 0 to 3"),
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": "x"}', "label must be 0 to 3"),
     ('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": true}', "label must be 0 to 3"),
+    pytest.param('{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": "' + "7" * 100_000 + '"}',
+                 "label must be 0 to 3 (an int or a digit string), not '7777777777777777777777777777777777777777'... "
+                 "(100,000 characters)", id="label-of-100000-characters"),
     ('{"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0}', "ctx must be a non-empty string"),
     ('[1, 2]', "not a JSON object"),
+    ('{"ctx": "A man \\ud800", "endings": ["a", "b", "c", "d"], "label": 0}',
+     "ctx holds '\\ud800', a lone surrogate: not Unicode text"),
+    ('{"ctx": "A man", "endings": ["a", "b", "\\udfff c", "d"], "label": 0}',
+     "ending 2 holds '\\udfff', a lone surrogate: not Unicode text"),
     pytest.param('{"ctx": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deep to read (thousands of levels)",
                  id="nested-100000-deep"),
 ])

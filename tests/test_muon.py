@@ -144,7 +144,7 @@ def test_a_non_finite_step_leaves_both_optimizers_untouched_also_under_fp16_loss
         model = tiny_model()
         before = [p.detach().clone() for p in model.parameters()]
         t = trainable(model, "muon", scaler=scaler)
-        Faults([("nan", 0, None)], 0, model).before_step(0)  # --fault nan@0: the loss made NaN
+        Faults([("nan", 0, None)], 0, model, range(1)).before_step(0)  # --fault nan@0: the loss made NaN
         assert train_gpt2.train_step(t, OneBatch(x, y), 3e-3).skipped  # the trainer's own skip
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert not t.optimizer.muon.state and not t.optimizer.adamw.state
