@@ -150,8 +150,7 @@ def setup(cfg):
     on_every_rank(shard_demo_corpus, cfg.data_dir, log, rank == 0)
     train_paths, val_paths = list_shards(cfg.data_dir, "train"), list_shards(cfg.data_dir, "val")
     if not train_paths:
-        raise RunError(f"no *_train_*.npy shards in {cfg.data_dir!r}: make them with "
-                       f"`python fineweb.py --output_dir {cfg.data_dir}` (or --input your files)")
+        raise RunError(fineweb.no_train_shards(cfg.data_dir, val_paths))
     train_loader = ShardLoader(train_paths, batch.micro_batch_size, batch.seq_len, rank, world_size,
                                seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle), vocab_size=model.vocab_size)
     val_loader = ShardLoader(val_paths, batch.micro_batch_size, batch.seq_len, rank, world_size, shuffle=False,

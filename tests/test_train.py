@@ -95,6 +95,15 @@ def test_demo_shards_only_its_own_data_dir(tmp_path, demo_dir, capsys):
     assert not mistyped.exists() and not demo_dir.exists()
 
 
+def test_a_data_dir_of_val_shards_alone_says_its_corpus_fit_in_one_shard(tmp_path, capsys):
+    """What fineweb.py made of a small corpus before it refused one: the trainer names the cause."""
+    val = write_token_shards(tmp_path / "data", n_train=0)[0]
+    message = error_of(capsys, "--data_dir", tmp_path / "data", "--log_dir", tmp_path / "log")
+    assert message == (f"error: {str(tmp_path / 'data')!r} holds val shards ({os.path.basename(val)}) and no "
+                       f"*_train_*.npy: its corpus fit in one shard, the val split; shard it again with a smaller "
+                       f"--shard_size")
+
+
 def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, capsys):
     data_dir = demo_dir
     train_gpt2.main(["--preset", "demo", "--data_dir", str(data_dir), "--log_dir", str(tmp_path / "log"),
