@@ -37,7 +37,7 @@ from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, every_rank, on_every_rank
 from faults import Faults
-from loading import check_run_sources, load_model
+from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
 from model import GPT
 from muon import OptimizerConfig, build_optimizer, describe, muon_lr
@@ -131,6 +131,8 @@ def setup(cfg):
             raw_model = load_model(cfg.init_from, dropout=cfg.model.dropout, **options).to(device)
         except CheckpointError as e:
             raise RunError(f"--init_from: {e}") from None
+        if note := replaced_settings(cfg, raw_model.config):
+            log(note)
     elif cfg.scale.fsdp:
         raw_model, init = sharding.build_on_meta(cfg.model, **options)
     else:
