@@ -92,6 +92,31 @@ def device_memory(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+MEMINFO = "/proc/meminfo"
+# A container's memory limit and what its processes hold: cgroup v2's files, then v1's ("max", or a
+# number past any memory, where there is no limit).
+CGROUP_MEMORY = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+
+
+def available_memory():
+    """Bytes of the host's memory that processes may still take: Linux's MemAvailable (free memory
+    and the caches the kernel can drop), or less where a container's limit leaves less; None where
+    it cannot be read (other systems)."""
+    try:
+        with open(MEMINFO) as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    for limit, usage in CGROUP_MEMORY:
+        try:
+            with open(limit) as f, open(usage) as g:
+                available = min(available, int(f.read()) - int(g.read()))
+        except (OSError, ValueError):  # no such cgroup, or "max": no limit
+            pass
+    return max(available, 0)
+
+
 def synchronize(device):
     """Waits until the device has run all the work queued on it: a timer stopped without this
     times only the queueing (GPUs and Apple's MPS run asynchronously; a CPU has nothing to wait for)."""
