@@ -74,3 +74,21 @@ def test_allow_tf32_sets_high_precision_and_warns_nothing():
             "warnings.resetwarnings(); print(torch.get_float32_matmul_precision())")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "high\n", "")
+
+
+def test_available_memory_is_memavailable_or_less_under_a_containers_limit(tmp_path, monkeypatch):
+    """What -B auto fits on a CPU: MemAvailable, unless a cgroup's limit less its usage leaves less
+    ("max", or v1's number past any memory, is no limit); None where /proc/meminfo is missing."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    v2, v1 = [(tmp_path / f"{name}.max", tmp_path / f"{name}.current") for name in ("v2", "v1")]
+    monkeypatch.setattr(devices, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(devices, "CGROUP_MEMORY", [tuple(map(str, v2)), tuple(map(str, v1))])
+    assert devices.available_memory() == 20000000 * 1024  # no cgroup files
+    v2[0].write_text("max\n"), v2[1].write_text("5000000000\n")
+    v1[0].write_text("9223372036854771712\n"), v1[1].write_text("7000000000\n")
+    assert devices.available_memory() == 20000000 * 1024
+    v2[0].write_text("12000000000\n")  # a 12 GB container, 5 GB of it in use
+    assert devices.available_memory() == 7_000_000_000
+    monkeypatch.setattr(devices, "MEMINFO", str(tmp_path / "missing"))
+    assert devices.available_memory() is None
