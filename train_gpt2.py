@@ -142,11 +142,14 @@ def setup(cfg):
         raise RunError(f"--seq_len {cfg.batch.seq_len} is longer than the model's block_size {model.block_size}")
     device_type = device.split(":")[0]
     compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
     cfg = memory.resolve_micro_batch(cfg, model, device, world_size, dtype, compile_mode is not None, log)
     batch = cfg.batch
     log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
         f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
+                                                              batch.total_batch_size, cfg.schedule.max_steps)):
+        log(note)
 
     # Data: every shard checked now, naming the shard, not hours in; and what the run can evaluate.
     on_every_rank(shard_demo_corpus, cfg.data_dir, log, rank == 0)

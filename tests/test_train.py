@@ -105,6 +105,22 @@ def test_a_data_dir_of_val_shards_alone_says_its_corpus_fit_in_one_shard(tmp_pat
                        f"--shard_size")
 
 
+def test_a_long_run_on_a_cpu_says_so_before_it_starts(tmp_path, capsys):
+    """Ten million steps of the tiny model would take days on a CPU: a note says so at start,
+    before the data is looked at (here missing); a short run says nothing."""
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + ["--max_steps", "10000000", "--data_dir", str(tmp_path / "none"),
+                                "--log_dir", str(tmp_path / "log")])
+    out, err = capsys.readouterr()
+    assert re.search(r"^note: on a CPU a step would take about \d+ s and the 10,000,000 steps [\d.]+ days .*this run is "
+                     r"meant for GPUs; `python train_gpt2.py --preset demo` trains a small GPT", out, re.M), out
+    assert err.startswith("error: no *_train_*.npy shards")
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + ["--max_steps", "100", "--data_dir", str(tmp_path / "none"),
+                                "--log_dir", str(tmp_path / "log")])
+    assert "note: on a CPU" not in capsys.readouterr().out
+
+
 def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, capsys):
     data_dir = demo_dir
     train_gpt2.main(["--preset", "demo", "--data_dir", str(data_dir), "--log_dir", str(tmp_path / "log"),
