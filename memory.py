@@ -239,6 +239,14 @@ def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=Non
             f"each (torchrun --nproc_per_node={gpus})")
 
 
+def out_of_memory_advice(cfg, world_size, trainable):
+    """unfit_advice for the run of cfg, whose step on trainable (train_gpt2's Trainable) ran out of
+    memory at one sequence: against the device's memory as -B auto reads it, else its total."""
+    device, model = trainable.device, trainable.raw_model.config
+    return unfit_advice(cfg, world_size, free_memory(device, model) or device_memory(device),
+                        trainable.config.dtype.itemsize, trainable.config.compile_mode is not None, model, device)
+
+
 def free_memory(device, model=None):
     """Bytes that a training step may plan to fill on device: a CUDA device's free memory, with what
     this process holds there counted as free (the model, for a plan that counts it; the cache of a

@@ -402,11 +402,8 @@ def train_step_fitting(run, step, lr, stop_requested, auto):
         if not auto:
             raise RunError(f"out of memory at step {step} at -B {batch}: try -B auto, or a smaller -B")
         if batch == 1:
-            model, device = trainable.raw_model.config, trainable.device
-            advice = memory.unfit_advice(run.cfg, run.world_size, memory.free_memory(device, model) or
-                                         devices.device_memory(device), trainable.config.dtype.itemsize,
-                                         trainable.config.compile_mode is not None, model, device)
-            raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
+            raise RunError(f"out of memory at step {step} at micro-batch 1: "
+                           f"{memory.out_of_memory_advice(run.cfg, run.world_size, trainable)}")
         ddp = trainable.ddp()
         if ddp is not None:  # its last forward readied an all-reduce no backward will start
             ddp.reducer._reset_state()
