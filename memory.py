@@ -324,7 +324,8 @@ def print_plan(cfg):
         else:
             micro_batch, _ = pick_micro_batch(cfg, world_size, card, dtype.itemsize, compiled, device=where)
             if micro_batch is None:
-                raise ValueError(f"-B auto: {unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)}")
+                advice = unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)
+                raise ValueError(f"-B auto: {advice}")
             choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}, "
                       f"{batch.total_batch_size // (micro_batch * batch.seq_len * world_size)} micro-steps per step")
         estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)

@@ -199,13 +199,14 @@ def test_a_corpus_of_one_shard_or_less_is_one_line_naming_a_shard_size_that_give
         text = f.read(60_000)
     corpus.write_text(text, encoding="utf-8")
     tokens = len(stream_of([text]))
+    smaller = -(-tokens // 10)  # a tenth of the tokens, rounded up: ten shards
     result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--num_proc", 1)
     one_line_error(result, f"small.txt: {tokens:,} tokens make one shard of --shard_size 100,000,000, the val shard, "
-                           f"and no train shard: --shard_size {-(-tokens // 10):,} gives 10 shards (1 val, 9 train)")
+                           f"and no train shard: --shard_size {smaller:,} gives 10 shards (1 val, 9 train)")
     assert not (tmp_path / "out").exists()
-    result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--num_proc", 1, "--shard_size", -(-tokens // 10))
+    result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--num_proc", 1, "--shard_size", smaller)
     assert result.returncode == 0 and "shards 10 (1 val, 9 train)" in result.stdout, result.stderr
-    check_shards(tmp_path / "out", "edufineweb", -(-tokens // 10), [text])
+    check_shards(tmp_path / "out", "edufineweb", smaller, [text])
     # Exactly one full shard is no train shard either.
     one_line_error(run_cli("--input", corpus, "--output_dir", tmp_path / "one", "--shard_size", tokens),
                    f"{tokens:,} tokens make one shard")

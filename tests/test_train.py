@@ -112,8 +112,8 @@ def test_a_long_run_on_a_cpu_says_so_before_it_starts(tmp_path, capsys):
         train_gpt2.main(TINY + ["--max_steps", "10000000", "--data_dir", str(tmp_path / "none"),
                                 "--log_dir", str(tmp_path / "log")])
     out, err = capsys.readouterr()
-    assert re.search(r"^note: on a CPU a step would take about \d+ s and the 10,000,000 steps [\d.]+ days .*this run is "
-                     r"meant for GPUs; `python train_gpt2.py --preset demo` trains a small GPT", out, re.M), out
+    assert re.search(r"^note: on a CPU a step would take about \d+ s and the 10,000,000 steps [\d.]+ days .*this "
+                     r"run is meant for GPUs; `python train_gpt2.py --preset demo` trains a small GPT", out, re.M), out
     assert err.startswith("error: no *_train_*.npy shards")
     with pytest.raises(SystemExit):
         train_gpt2.main(TINY + ["--max_steps", "100", "--data_dir", str(tmp_path / "none"),
