@@ -40,6 +40,12 @@ PEAK_FLOPS = [("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H
               ("L4", 121e12), ("A10", 125e12), ("4090", 165e12)]
 
 
+# A CPU's training rate, measured: bench/results/cpu-2core.json's train run (a GPT of 4 layers, 256
+# wide, B=8, T=256, float32, eager, on 2 cores) took 763 tokens/s of 99.4 MFLOP each.
+CPU_TRAIN_FLOPS = 75.8e9
+LONG_CPU_RUN = 3600  # seconds: a run forecast to take longer on a CPU says so before it starts
+
+
 def pick_device(name="auto", local_rank=None):
     """The torch device string for name: auto, cpu, cuda, cuda:K or mps (auto: cuda, else mps,
     else cpu). Under torchrun (local_rank given) each process takes its own GPU, cuda:LOCAL_RANK,
@@ -67,10 +73,12 @@ def auto_device_type():
     return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
-def pick_dtype(name, device_type):
+def pick_dtype(name, device_type, log=None):
     """The autocast dtype for --dtype name; float32 means no autocast. auto: bfloat16 on CUDA
     GPUs with bf16 tensor cores (Ampere, compute capability 8, and later), float16 on older ones
-    (training adds loss scaling), float32 on CPU and MPS."""
+    (training adds loss scaling), float32 on CPU and MPS. log, if given, notes float16 on a CPU."""
+    if name == "float16" and device_type == "cpu" and log:
+        log("note: --dtype float16 on a CPU is slow: a demo step took 6.5x as long as in float32 (bfloat16: 0.8x)")
     if name == "auto":
         if device_type == "cuda":
             # Not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only
@@ -92,6 +100,31 @@ def device_memory(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+MEMINFO = "/proc/meminfo"
+# A container's memory limit and what its processes hold: cgroup v2's files, then v1's ("max", or a
+# number past any memory, where there is no limit).
+CGROUP_MEMORY = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+
+
+def available_memory():
+    """Bytes of the host's memory that processes may still take: Linux's MemAvailable (free memory
+    and the caches the kernel can drop), or less where a container's limit leaves less; None where
+    it cannot be read (other systems)."""
+    try:
+        with open(MEMINFO) as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    for limit, usage in CGROUP_MEMORY:
+        try:
+            with open(limit) as f, open(usage) as g:
+                available = min(available, int(f.read()) - int(g.read()))
+        except (OSError, ValueError):  # no such cgroup, or "max": no limit
+            pass
+    return max(available, 0)
+
+
 def synchronize(device):
     """Waits until the device has run all the work queued on it: a timer stopped without this
     times only the queueing (GPUs and Apple's MPS run asynchronously; a CPU has nothing to wait for)."""
@@ -99,6 +132,29 @@ def synchronize(device):
         torch.cuda.synchronize(device)
     elif str(device).startswith("mps"):
         torch.mps.synchronize()
+
+
+def cpu_forecast(flops_per_step, steps):
+    """On a CPU: a note forecasting a run of steps optimizer steps of flops_per_step FLOPs at
+    CPU_TRAIN_FLOPS, that it is meant for GPUs, and the demo, where the run would take more than
+    LONG_CPU_RUN; None for a shorter run."""
+    step = flops_per_step / CPU_TRAIN_FLOPS
+    if step * steps <= LONG_CPU_RUN:
+        return None
+    return (f"note: on a CPU a step would take about {duration(step)} and the {steps:,} steps {duration(step * steps)} "
+            f"(their FLOPs at the {CPU_TRAIN_FLOPS / 1e9:.0f} GFLOP/s of a training run on 2 cores, "
+            f"bench/results/cpu-2core.json): this run is meant for GPUs; `python train_gpt2.py --preset demo` "
+            f"trains a small GPT on a CPU in minutes")
+
+
+def duration(seconds):
+    """seconds for a message: in years from one year, days from two days, hours from one hour,
+    minutes from one minute."""
+    for unit, size, least, digits in (("years", 365 * 86400, 1, 1), ("days", 86400, 2, 0), ("h", 3600, 1, 1),
+                                      ("min", 60, 1, 0)):
+        if seconds >= least * size:
+            return f"{seconds / size:.{digits}f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def peak_flops(device):

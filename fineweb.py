@@ -610,15 +610,39 @@ def write_shards(manifest, corpus, job):
         where = f"at document {document:,}" if nothing_read else f"{skip:,} tokens"
         raise InputError(f"{os.path.join(output_dir, MANIFEST)}: resumes {where} past the end of {corpus.name}: "
                          f"not this corpus's progress; delete {output_dir} and rerun")
+    total = shard * shard_size + filled
+    if total == document:  # each document is its <|endoftext|> alone
+        raise InputError(f"{corpus.name}: no text ({document:,} empty document{'s' * (document > 1)})")
+    if total <= shard_size:
+        raise InputError(too_small(corpus.name, total, shard_size))
     if filled:
         write_shard(job.shard_path(shard), buffer[:filled])
         shard += 1
         bar.set_postfix(shards=shard)
     bar.close()
     manifest = manifest | {"shards": shard, "document": document, "skip": 0, "complete": True,
-                           "documents": document, "tokens": (shard - 1) * shard_size + (filled or shard_size)}
+                           "documents": document, "tokens": total}
     write_manifest(output_dir, manifest)
     return manifest
+
+
+def too_small(name, tokens, shard_size):
+    """Why a corpus of tokens (2 or more) gives no train shard at shard_size (shard 0 is val), and a
+    shard size that gives several: about ten, the val shard a tenth of the tokens."""
+    smaller = -(-tokens // 10)
+    shards = -(-tokens // smaller)
+    return (f"{name}: {tokens:,} tokens make one shard of --shard_size {shard_size:,}, the val shard, and no "
+            f"train shard: --shard_size {smaller:,} gives {shards} shards (1 val, {shards - 1} train)")
+
+
+def no_train_shards(data_dir, val_paths):
+    """The trainer's error for a data_dir without train shards: how to make them, and where val
+    shards are all it holds, why (a corpus that fit in one shard, from before fineweb.py refused it)."""
+    if val_paths:
+        return (f"{data_dir!r} holds val shards ({', '.join(map(os.path.basename, val_paths))}) and no *_train_*.npy: "
+                f"its corpus fit in one shard, the val split; shard it again with a smaller --shard_size")
+    return (f"no *_train_*.npy shards in {data_dir!r}: make them with `python fineweb.py --output_dir {data_dir}` "
+            f"(or --input your files)")
 
 
 def shard_local_files(paths, job, text_field="text"):

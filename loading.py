@@ -9,11 +9,13 @@ import sys
 import traceback
 import urllib.parse
 import warnings
+from dataclasses import replace
 
 from checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_sharded, model_of
 from cli import first_line, gpt2_vocab_problem
 from dcp_reader import CheckpointError
 from devices import pick_device
+from memory import n_params
 from model import GPT, PRETRAINED
 
 
@@ -67,6 +69,20 @@ def padding_only(model, name):
             or not model.state_dict()[name][:vocab].isfinite().all():
         return ""
     return f", only in rows {vocab}-{rows - 1}, which pad the vocabulary and which no token id reaches"
+
+
+def replaced_settings(cfg, loaded):
+    """The trainer's line saying what --init_from's model (loaded, a GPTConfig) replaces of the model
+    settings of cfg (a TrainConfig: its preset's, config file's and flags'), with both sizes; None
+    where the two are one architecture (dropout is the flag's either way)."""
+    def described(config):
+        return (f"{n_params(config):,} parameters: {config.n_layer} layers, {config.n_head} heads, "
+                f"{config.n_embd} wide, context {config.block_size}, vocabulary {config.vocab_size}")
+    if replace(loaded, dropout=cfg.model.dropout) == cfg.model:
+        return None
+    settings = f"--preset {cfg.preset}" + (f" and --config {cfg.config}" if cfg.config else "")
+    return (f"note: --init_from {cfg.init_from} replaces the model of {settings} ({described(cfg.model)}) with its "
+            f"own ({described(loaded)}); the other settings stay")
 
 
 def check_run_sources(init_from, resume):

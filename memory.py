@@ -1,6 +1,7 @@
-"""How much GPU memory training takes, per GPU, before any is allocated: train_gpt2.py --plan, the
-presets table in docs/scaling.md (`python memory.py` prints it), and the check, shared by the
-trainer and bench.py, that refuses a model its device cannot hold.
+"""How much memory training takes, per GPU (or CPU process), before any is allocated: train_gpt2.py
+--plan, -B auto's choice against a GPU's free memory or a host's available memory, the presets table
+in docs/scaling.md (`python memory.py` prints it), and the check, shared by the trainer and
+bench.py, that refuses a model its device cannot hold.
 
 Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
 ranks under FSDP; under --optimizer muon the blocks' matrices have Muon's one momentum buffer
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from devices import auto_device_type, device_memory, pick_dtype, resolve_compile
+from devices import auto_device_type, available_memory, device_memory, pick_dtype, resolve_compile
 from distributed import agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
@@ -166,6 +167,24 @@ def fit_problem(config, device, world_size=1, fsdp=False):
 # Of a GPU's memory (its free memory, for -B auto), the most a plan may fill: the rest is for the
 # allocator's fragmentation and, on a whole card, CUDA's context.
 HEADROOM = 0.9
+# Of a host's available memory, the most a CPU run's plan may fill: a CPU step's peak resident memory
+# was measured up to 7% over its plan (docs/scaling.md), and the host's other processes grow too.
+HOST_HEADROOM = 0.8
+
+
+def headroom(device):
+    """The share of device's memory (free on a GPU, available on the host) a plan may fill."""
+    return HEADROOM if str(device).startswith("cuda") else HOST_HEADROOM
+
+
+def size(n_bytes):
+    """n_bytes for a message: GiB, or MiB below a tenth of one."""
+    return f"{n_bytes / GiB:,.1f} GiB" if n_bytes >= GiB / 10 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def described(memory_bytes, device):
+    """memory_bytes of device, as -B auto reads it: a GPU's free memory, a host's available memory."""
+    return f"{size(memory_bytes)} {'free' if str(device).startswith('cuda') else 'available'}"
 
 
 def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, model=None, scale=None):
@@ -175,47 +194,75 @@ def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, model=None, sc
                 cfg.optimizer.name, compiled)
 
 
-def fits(estimate, memory_bytes):
-    return estimate.total <= HEADROOM * memory_bytes
+def fits(estimate, memory_bytes, device="cuda"):
+    return estimate.total <= headroom(device) * memory_bytes
 
 
-def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None):
-    """-B auto on memory_bytes: the largest of BatchConfig.auto_micro_batches whose plan fits in
-    HEADROOM of it, and that plan; (None, None) when none does."""
+def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None, device="cuda"):
+    """-B auto on memory_bytes of device: the largest of BatchConfig.auto_micro_batches whose plan
+    fits in headroom(device) of it, and that plan; (None, None) when none does."""
     for batch in cfg.batch.auto_micro_batches(world_size):
         estimate = run_plan(cfg, batch, world_size, dtype_bytes, compiled, model)
-        if fits(estimate, memory_bytes):
+        if fits(estimate, memory_bytes, device):
             return batch, estimate
     return None, None
 
 
-def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None):
-    """Why the run of cfg does not fit memory_bytes even at one sequence, and what the plan says
-    --recompute full, or --fsdp 1 with it over enough GPUs, would take: one line."""
-    model = model or cfg.model
+def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None, device="cuda"):
+    """One line: what the run of cfg plans at one sequence against memory_bytes of device (free on a
+    GPU, available on a host), and what would fit: the plan of --recompute full, or on GPUs of --fsdp
+    1 with it over enough of them; or that nothing does. Where the plan fits (the step ran out of
+    memory all the same), it says so, naming --recompute full only if that plans a tenth less."""
+    model, gpu = model or cfg.model, str(device).startswith("cuda")
 
     def need(scale, ranks):
         return run_plan(cfg, 1, ranks, dtype_bytes, compiled, model, scale)
+
+    def fit(scale, ranks=world_size):
+        return fits(need(scale, ranks), memory_bytes, device)
     recompute = replace(cfg.scale, recompute="full")
-    line = (f"a GPT of {n_params(model):,} parameters needs {need(cfg.scale, world_size).total / GiB:.1f} GiB per GPU "
-            f"even at micro-batch 1, over {HEADROOM:.0%} of {memory_bytes / GiB:.1f} GiB")
-    if fits(need(recompute, world_size), memory_bytes):
-        return f"{line}: --recompute full plans {need(recompute, world_size).total / GiB:.1f} GiB"
+    now, recomputed = need(cfg.scale, world_size).total, need(recompute, world_size).total
+    line = (f"a GPT of {n_params(model):,} parameters plans {size(now)} per {'GPU' if gpu else 'process'} at "
+            f"micro-batch 1, {'within' if fit(cfg.scale) else 'over'} {headroom(device):.0%} of "
+            f"{described(memory_bytes, device)}")
+    if fit(cfg.scale):  # out of memory all the same: what took the memory is not in the plan
+        return (f"{line}, so memory the plan does not count ran out (another process's?): " +
+                (f"--recompute full plans {size(recomputed)}" if recomputed <= 0.9 * now else
+                 "no setting the plan knows lowers it by a tenth"))
+    if fit(recompute):
+        return f"{line}: --recompute full plans {size(recomputed)}"
+    if not gpu:  # more processes on one host share its memory: no help
+        return f"{line}, and so is --recompute full's {size(recomputed)}: nothing fits this host"
     sharded = replace(recompute, fsdp=1)
-    gpus = next((n for n in (2**k for k in range(13)) if fits(need(sharded, n), memory_bytes)), None)
+    gpus = next((n for n in (2**k for k in range(13)) if fit(sharded, n)), None)
     if gpus is None:
         return f"{line}, and over any number of GPUs up to {2**12} with --fsdp 1 --recompute full"
-    return (f"{line}: --fsdp 1 --recompute full over {gpus} GPUs plans {need(sharded, gpus).total / GiB:.1f} GiB "
+    return (f"{line}: --fsdp 1 --recompute full over {gpus} GPUs plans {size(need(sharded, gpus).total)} "
             f"each (torchrun --nproc_per_node={gpus})")
 
 
-def free_memory(device):
-    """Bytes free on a CUDA device, with what this process has allocated there already counted as
-    free (the model, for a plan that counts it); None where it cannot be read: a CPU, MPS, a failing driver."""
+def out_of_memory_advice(cfg, world_size, trainable):
+    """unfit_advice for the run of cfg, whose step on trainable (train_gpt2's Trainable) ran out of
+    memory at one sequence: against the device's memory as -B auto reads it, else its total."""
+    device, model = trainable.device, trainable.raw_model.config
+    return unfit_advice(cfg, world_size, free_memory(device, model) or device_memory(device),
+                        trainable.config.dtype.itemsize, trainable.config.compile_mode is not None, model, device)
+
+
+def free_memory(device, model=None):
+    """Bytes that a training step may plan to fill on device: a CUDA device's free memory, with what
+    this process holds there counted as free (the model, for a plan that counts it; the cache of a
+    step that ran out of memory); on a CPU, the host's available memory, shared by the processes
+    torchrun started on it, with the float32 weights of model (a GPTConfig, built already) counted
+    as free. None where it cannot be read: MPS, a failing driver, a host that does not say."""
+    if str(device) == "cpu":
+        available = available_memory()
+        held = 4 * n_params(model) if model else 0
+        return None if available is None else available // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) + held
     if not str(device).startswith("cuda"):
         return None
     try:
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     except RuntimeError:
         return None
 
@@ -227,22 +274,23 @@ def resolve_micro_batch(cfg, model, device, world_size, dtype, compiled, log):
     batch = cfg.batch
     if batch.micro_batch_size != "auto":
         return cfg
-    free = free_memory(device)
+    free = free_memory(device, model)
     ceiling = batch.auto_micro_batches(world_size)[0]
     error = None
     if free is None:
         picked, why = ceiling, (f"the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step: "
-                                + ("the GPU's free memory cannot be read" if device.startswith("cuda")
-                                   else f"{device.split(':')[0]} memory is not planned"))
+                                + ("the GPU's free memory cannot be read" if device.startswith("cuda") else
+                                   "the host's available memory cannot be read" if device == "cpu" else
+                                   f"{device.split(':')[0]} memory is not planned"))
     else:
-        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, model)
+        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, model, device)
         if picked is None:
-            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, model)}"
+            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, model, device)}"
     agree(error)
     picked = min(every_rank(picked))
     if free is not None:
         estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, model)
-        why = f"plan {estimate.total / GiB:.1f} of {free / GiB:.1f} GiB free"
+        why = f"plan {size(estimate.total)} of {described(free, device)}"
     cfg = replace(cfg, batch=replace(batch, micro_batch_size=picked))
     log(f"micro-batch auto: {picked} ({why}), {cfg.batch.grad_accum_steps(world_size)} micro-steps per step")
     return cfg
@@ -262,8 +310,9 @@ def print_plan(cfg):
     else:
         dtype = pick_dtype(cfg.runtime.dtype, device_type)
     compiled = resolve_compile(cfg.runtime.compile, device_type, log=lambda message: None)
-    card = cfg.gpu_memory * GiB if cfg.gpu_memory else free_memory("cuda") if device_type == "cuda" and \
-        torch.cuda.is_available() else None
+    where = "cuda" if cfg.gpu_memory else device_type  # whose memory -B auto fits: a GPU's free, a host's available
+    card = cfg.gpu_memory * GiB if cfg.gpu_memory else None if device_type == "cuda" and not \
+        torch.cuda.is_available() else free_memory(device_type)
     try:
         # On a GPU this machine lacks, with Triton: torch's CUDA builds bring it.
         cfg = replace(cfg, scale=replace(cfg.scale, loss=pick_loss(cfg.scale.loss, device_type, elsewhere or None)))
@@ -275,12 +324,14 @@ def print_plan(cfg):
         elif card is None:
             micro_batch = batch.auto_micro_batches(world_size)[0]
             choice = (f"-B auto: {micro_batch}, the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step "
-                      f"(no GPU memory to fit it in: --gpu_memory GIB plans for a card)")
+                      f"(no {'GPU' if device_type == 'cuda' else device_type} memory to fit it in: --gpu_memory GIB "
+                      f"plans for a card)")
         else:
-            micro_batch, _ = pick_micro_batch(cfg, world_size, card, dtype.itemsize, compiled)
+            micro_batch, _ = pick_micro_batch(cfg, world_size, card, dtype.itemsize, compiled, device=where)
             if micro_batch is None:
-                raise ValueError(f"-B auto: {unfit_advice(cfg, world_size, card, dtype.itemsize, compiled)}")
-            choice = (f"-B auto: {micro_batch} on {card / GiB:.1f} GiB{'' if cfg.gpu_memory else ' free'}, "
+                advice = unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)
+                raise ValueError(f"-B auto: {advice}")
+            choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}, "
                       f"{batch.total_batch_size // (micro_batch * batch.seq_len * world_size)} micro-steps per step")
         estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)
     except ValueError as e:

@@ -1,7 +1,7 @@
 """Plots training runs from their log.jsonl: train and val loss, and HellaSwag acc_norm,
 against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
 
-    python plot_log.py log/                       # writes plot.png
+    python plot_log.py log/                       # writes log/plot.png
     python plot_log.py log_a/ log_b/ -o runs.png  # several runs on one figure
 """
 import json
@@ -168,9 +168,13 @@ def tokens_axis(runs, x, axes):
 def main(argv=None):
     parser = Parser(prog="plot_log.py", description="Plot loss and HellaSwag of training runs from their log.jsonl.")
     parser.add_argument("logs", nargs="+", help="log directories of train_gpt2.py (or log.jsonl files)")
-    parser.add_argument("-o", "--out", default="plot.png", help="the image to write; its extension names the format")
+    parser.add_argument("-o", "--out", help="the image to write; its extension names the format (default: plot.png "
+                                            "beside the first log, in its run's directory)")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis")
     args = parser.parse_args(argv)
+    if args.out is None:  # beside the run, not in whatever directory this was started from
+        first = args.logs[0]
+        args.out = os.path.join(first if os.path.isdir(first) else os.path.dirname(first), "plot.png")
     # Named by the extension, as matplotlib would; without one it would write OUT.png, not OUT.
     image_format = os.path.splitext(args.out)[1][1:].lower()
     if image_format not in FigureCanvasAgg.get_supported_filetypes():

@@ -38,11 +38,12 @@ def parse_micro_batch(text):
 class BatchConfig:
     """The tokens of an optimizer step, and how each rank cuts them into micro-batches."""
     total_batch_size: int = setting(524288, "tokens per optimizer step, over all ranks")
-    micro_batch_size: int | str = setting("auto", f"sequences per forward pass per rank; auto: on a GPU the largest "
-                                                  f"power of two up to {AUTO_MAX_MICRO_BATCH} that the memory plan "
-                                                  f"fits in its free memory (halved again if a step runs out of "
-                                                  f"memory), elsewhere the largest up to {AUTO_MAX_MICRO_BATCH} that "
-                                                  f"divides the step", short="-B", type=parse_micro_batch,
+    micro_batch_size: int | str = setting("auto", f"sequences per forward pass per rank; auto: the largest power of "
+                                                  f"two up to {AUTO_MAX_MICRO_BATCH} that divides the step and whose "
+                                                  f"memory plan fits a GPU's free memory or, on a CPU, the host's "
+                                                  f"available memory (halved again if a step runs out of memory); "
+                                                  f"on MPS the largest that divides the step", short="-B",
+                                          type=parse_micro_batch,
                                           metavar="N|auto")
     seq_len: int = setting(1024, "tokens per sequence", short="-T")
 

@@ -37,7 +37,7 @@ from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, every_rank, on_every_rank
 from faults import Faults
-from loading import check_run_sources, load_model
+from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
 from loss import pick_loss
 from model import GPT
@@ -136,6 +136,8 @@ def setup(cfg):
             raw_model = load_model(cfg.init_from, dropout=cfg.model.dropout, **options).to(device)
         except CheckpointError as e:
             raise RunError(f"--init_from: {e}") from None
+        if note := replaced_settings(cfg, raw_model.config):
+            log(note)
     elif cfg.scale.fsdp:
         raw_model, init = sharding.build_on_meta(cfg.model, **options)
     else:
@@ -145,18 +147,20 @@ def setup(cfg):
         raise RunError(f"--seq_len {cfg.batch.seq_len} is longer than the model's block_size {model.block_size}")
     device_type = device.split(":")[0]
     compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    dtype = pick_dtype(cfg.runtime.dtype, device_type)
+    dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
     cfg = memory.resolve_micro_batch(cfg, model, device, world_size, dtype, compile_mode is not None, log)
     batch = cfg.batch
     log(f"world size {world_size}, device {device}, {batch.grad_accum_steps(world_size)} micro-steps of "
         f"{batch.micro_batch_size}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
+                                                              batch.total_batch_size, cfg.schedule.max_steps)):
+        log(note)
 
     # Data: every shard checked now, naming the shard, not hours in; and what the run can evaluate.
     on_every_rank(shard_demo_corpus, cfg.data_dir, log, rank == 0)
     train_paths, val_paths = list_shards(cfg.data_dir, "train"), list_shards(cfg.data_dir, "val")
     if not train_paths:
-        raise RunError(f"no *_train_*.npy shards in {cfg.data_dir!r}: make them with "
-                       f"`python fineweb.py --output_dir {cfg.data_dir}` (or --input your files)")
+        raise RunError(fineweb.no_train_shards(cfg.data_dir, val_paths))
     train_loader = ShardLoader(train_paths, batch.micro_batch_size, batch.seq_len, rank, world_size,
                                seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle), vocab_size=model.vocab_size)
     val_loader = ShardLoader(val_paths, batch.micro_batch_size, batch.seq_len, rank, world_size, shuffle=False,
@@ -407,10 +411,8 @@ def train_step_fitting(run, step, lr, stop_requested, auto):
         if not auto:
             raise RunError(f"out of memory at step {step} at -B {batch}: try -B auto, or a smaller -B")
         if batch == 1:
-            advice = memory.unfit_advice(run.cfg, run.world_size, devices.device_memory(trainable.device),
-                                         trainable.config.dtype.itemsize, trainable.config.compile_mode is not None,
-                                         trainable.raw_model.config)
-            raise RunError(f"out of memory at step {step} at micro-batch 1: {advice}")
+            raise RunError(f"out of memory at step {step} at micro-batch 1: "
+                           f"{memory.out_of_memory_advice(run.cfg, run.world_size, trainable)}")
         ddp = trainable.ddp()
         if ddp is not None:  # its last forward readied an all-reduce no backward will start
             ddp.reducer._reset_state()

@@ -1,5 +1,6 @@
 """devices.py: the device each process takes, the dtype --dtype auto picks, and the peak FLOPS
 that MFU is measured against."""
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,11 @@ def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):
         assert pick_dtype("auto", "cuda") == dtype
     assert pick_dtype("auto", "cpu") == pick_dtype("auto", "mps") == torch.float32
     assert pick_dtype("float16", "cpu") == torch.float16
+    notes = []
+    assert [pick_dtype(name, "cpu", notes.append) for name in ("float16", "bfloat16", "float32")] == \
+        [torch.float16, torch.bfloat16, torch.float32]
+    assert notes == ["note: --dtype float16 on a CPU is slow: a demo step took 6.5x as long as in float32 (bfloat16: "
+                     "0.8x)"]
 
 
 def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
@@ -74,3 +80,53 @@ def test_allow_tf32_sets_high_precision_and_warns_nothing():
             "warnings.resetwarnings(); print(torch.get_float32_matmul_precision())")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "high\n", "")
+
+
+def test_available_memory_is_memavailable_or_less_under_a_containers_limit(tmp_path, monkeypatch):
+    """What -B auto fits on a CPU: MemAvailable, unless a cgroup's limit less its usage leaves less
+    ("max", or v1's number past any memory, is no limit); None where /proc/meminfo is missing."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
+    v2, v1 = [(tmp_path / f"{name}.max", tmp_path / f"{name}.current") for name in ("v2", "v1")]
+    monkeypatch.setattr(devices, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(devices, "CGROUP_MEMORY", [tuple(map(str, v2)), tuple(map(str, v1))])
+    assert devices.available_memory() == 20000000 * 1024  # no cgroup files
+    v2[0].write_text("max\n"), v2[1].write_text("5000000000\n")
+    v1[0].write_text("9223372036854771712\n"), v1[1].write_text("7000000000\n")
+    assert devices.available_memory() == 20000000 * 1024
+    v2[0].write_text("12000000000\n")  # a 12 GB container, 5 GB of it in use
+    assert devices.available_memory() == 7_000_000_000
+    monkeypatch.setattr(devices, "MEMINFO", str(tmp_path / "missing"))
+    assert devices.available_memory() is None
+
+
+def test_the_cpu_training_rate_is_the_benchmarks_measured_one():
+    """CPU_TRAIN_FLOPS: bench/results/cpu-2core.json's train run of the project, in FLOP/s."""
+    from model import GPT, GPTConfig
+
+    with open(os.path.join(REPO, "bench", "results", "cpu-2core.json")) as f:
+        run = next(r for r in json.load(f)["results"] if r["name"] == "train" and r["variant"] == "project"
+                   and "without" not in r)
+    assert run["config"] == "L4 C256 B8 T256 float32 compile=0"
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=256, vocab_size=50304, n_layer=4, n_head=4, n_embd=256))
+    assert devices.CPU_TRAIN_FLOPS == pytest.approx(run["tokens_per_sec"] * model.flops_per_token(256), rel=1e-3)
+
+
+def test_a_run_forecast_past_an_hour_on_a_cpu_says_so_and_points_to_the_demo():
+    """GPT-2 (124M)'s recipe: 524,288 tokens a step at 855M FLOPs a token, 19,073 steps; the demo's
+    150 steps of 1,024 tokens stay quiet."""
+    from model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        gpt2, demo = GPT(GPTConfig(vocab_size=50304)), GPT(GPTConfig(128, 50304, 4, 4, 128))
+    step = gpt2.flops_per_token(1024) * 524288 / devices.CPU_TRAIN_FLOPS
+    assert 5000 < step < 7000  # seconds: about 1.6 h
+    assert devices.cpu_forecast(gpt2.flops_per_token(1024) * 524288, 19073) == (
+        f"note: on a CPU a step would take about {step / 3600:.1f} h and the 19,073 steps "
+        f"{step * 19073 / (365 * 86400):.1f} years (their FLOPs at the 76 GFLOP/s of a training run on 2 cores, "
+        f"bench/results/cpu-2core.json): this run is meant for GPUs; `python train_gpt2.py --preset demo` trains a "
+        f"small GPT on a CPU in minutes")
+    assert devices.cpu_forecast(demo.flops_per_token(128) * 1024, 150) is None
+    assert [devices.duration(s) for s in (59, 90, 5400, 86400, 3 * 86400, 400 * 86400)] == \
+        ["59 s", "2 min", "1.5 h", "24.0 h", "3 days", "1.1 years"]

@@ -15,11 +15,14 @@ import checkpoint
 import cli
 import loading
 import logdir
+import memory
 import train_gpt2
 from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, disk_full, error_of, file_size_limit,
                       final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
                       run_torchrun, train, train_records, write_jsonl, write_token_shards)
 from data import write_shard
+from model import GPTConfig
+from train_config import ScaleConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
 LONG = [*RUN, "--max_steps", "40"]
@@ -640,12 +643,22 @@ def test_an_out_of_memory_step_at_an_explicit_micro_batch_is_one_line(shards, tm
     assert message == "error: out of memory at step 1 at -B 8: try -B auto, or a smaller -B"
 
 
-def test_out_of_memory_below_one_sequence_names_recompute_or_fsdp(shards, tmp_path, capsys):
-    """-B auto at one sequence a step (32 tokens of T=32) has nothing left to halve."""
+def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_changes_nothing(shards, tmp_path,
+                                                                                                capsys, monkeypatch):
+    """-B auto at one sequence a step (32 tokens of T=32) has nothing left to halve. On a CPU the
+    memory is the host's available memory; the tiny model's plan fits it, so the line says that
+    what ran out is not in the plan, and names --recompute full, which lowers the plan by over a tenth."""
+    monkeypatch.setattr(memory, "available_memory", lambda: 8 * memory.GiB)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "--total_batch_size", "32",
                        "-B", "auto", "--fault", "oom@1")
-    assert message.startswith("error: out of memory at step 1 at micro-batch 1: a GPT of ")
-    assert "--recompute full plans" in message or "--fsdp 1 --recompute full over" in message
+    config = GPTConfig(**TINY_CONFIG)
+    plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode, loss="masked"), dtype_bytes=4).total
+                        for mode in ("none", "full"))
+    assert recomputed < 0.9 * plan
+    assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {memory.n_params(config):,} "
+                       f"parameters plans {plan / 2**20:.1f} MiB per process at micro-batch 1, within 80% of 8.0 GiB "
+                       f"available, so memory the plan does not count ran out (another process's?): --recompute full "
+                       f"plans {recomputed / 2**20:.1f} MiB")
 
 
 @pytest.mark.slow

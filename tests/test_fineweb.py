@@ -113,8 +113,8 @@ def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
 
 def test_a_txt_file_is_its_text_as_is(tmp_path):
     (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
-    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), ShardingJob(str(tmp_path / "out"), "t", 100))
-    check_shards(tmp_path / "out", "t", 100, ["a\r\nb\rc"])  # [EOT] + encode_ordinary, \r\n and \r kept
+    fineweb.shard_local_files(str(tmp_path / "crlf.txt"), ShardingJob(str(tmp_path / "out"), "t", 4))
+    check_shards(tmp_path / "out", "t", 4, ["a\r\nb\rc"])  # [EOT] + encode_ordinary, \r\n and \r kept
 
 
 def test_num_proc_1_and_2_write_identical_shards(tmp_path, monkeypatch):
@@ -192,6 +192,27 @@ def test_demo_corpus(tmp_path):
     assert val.n_tokens == 32768 and val.read(0, 4).tolist() == [EOT, 5962, 22307, 25]
 
 
+def test_a_corpus_of_one_shard_or_less_is_one_line_naming_a_shard_size_that_gives_train_shards(tmp_path):
+    """60 KB of text at the default 100M tokens a shard would be a val shard and no train shard."""
+    corpus = tmp_path / "small.txt"
+    with open(SHAKESPEARE, encoding="utf-8") as f:
+        text = f.read(60_000)
+    corpus.write_text(text, encoding="utf-8")
+    tokens = len(stream_of([text]))
+    smaller = -(-tokens // 10)  # a tenth of the tokens, rounded up: ten shards
+    result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--num_proc", 1)
+    one_line_error(result, f"small.txt: {tokens:,} tokens make one shard of --shard_size 100,000,000, the val shard, "
+                           f"and no train shard: --shard_size {smaller:,} gives 10 shards (1 val, 9 train)")
+    assert not (tmp_path / "out").exists()
+    result = run_cli("--input", corpus, "--output_dir", tmp_path / "out", "--num_proc", 1, "--shard_size", smaller)
+    assert result.returncode == 0 and "shards 10 (1 val, 9 train)" in result.stdout, result.stderr
+    check_shards(tmp_path / "out", "edufineweb", smaller, [text])
+    # Exactly one full shard is no train shard either.
+    one_line_error(run_cli("--input", corpus, "--output_dir", tmp_path / "one", "--shard_size", tokens),
+                   f"{tokens:,} tokens make one shard")
+    assert not (tmp_path / "one").exists()
+
+
 def one_line_error(result, name):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -205,6 +226,7 @@ def bad_inputs(tmp):
     (tmp / "latin1.txt").write_bytes("café".encode("latin-1"))
     (tmp / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     (tmp / "empty.jsonl").write_text("\n\n")
+    (tmp / "empty.txt").write_text("")
     (tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     (tmp / "notjson.jsonl").write_text('{"text": "a"}\n{text: b}\n')
     (tmp / "deep.jsonl").write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")  # past Python's recursion
@@ -223,6 +245,7 @@ def bad_inputs(tmp):
         "parquet not utf-8": (tmp / "latin1.parquet", "latin1.parquet row 1", []),
         "no text column": (write_parquet(tmp / "body.parquet", ["a"], field="body"), "body.parquet", []),
         "empty corpus": (tmp / "empty.jsonl", "empty.jsonl", []),
+        "empty text file": (tmp / "empty.txt", "empty.txt: no text (1 empty document)", []),
         "empty directory": (tmp / "emptydir", "emptydir", []),
         "missing text field": (tmp / "nofield.jsonl", "nofield.jsonl line 3", []),
         "not json": (tmp / "notjson.jsonl", "notjson.jsonl line 2", []),
@@ -235,7 +258,7 @@ def bad_inputs(tmp):
 
 @pytest.mark.parametrize("case", [
     "missing path", "unknown extension", "not utf-8", "not parquet", "parquet not utf-8", "no text column",
-    "empty corpus", "empty directory", "missing text field", "not json", "json nested too deep",
+    "empty corpus", "empty text file", "empty directory", "missing text field", "not json", "json nested too deep",
     "missing field after shards",
     "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):

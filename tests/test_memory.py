@@ -14,7 +14,8 @@ import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from helpers import REPO, exit_message, interpreted, needs_triton, run_script
+from checkpoint import load_checkpoint
+from helpers import REPO, TINY, error_of, exit_message, interpreted, needs_triton, run_script, train
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import N_VOCAB
 from train_config import ScaleConfig
@@ -106,8 +107,8 @@ def test_the_activation_estimate_is_the_sum_over_its_blocks():
 @pytest.mark.slow
 def test_plan_of_an_absurd_depth_is_printed_at_once():
     """A subprocess with a short timeout: a plan that counts layer by layer would take hours."""
-    result = run_script("train_gpt2.py", "--plan", "--n_layer", 10**12, "--recompute", "full", "--recompute_every", 3,
-                        timeout=30)
+    result = run_script("train_gpt2.py", "--plan", "-B", 8, "--n_layer", 10**12, "--recompute", "full",
+                        "--recompute_every", 3, timeout=30)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(f"{memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304)):,} parameters")
 
@@ -261,7 +262,7 @@ def test_plan_picks_the_micro_batch_that_fits_a_gpu_this_machine_lacks(capsys):
 
 def test_a_model_that_fits_no_micro_batch_is_one_line_naming_fsdp(capsys):
     message = exit_message(capsys, train_gpt2.main, "--plan", "--preset", "gpt2-xl", "-B", "auto", "--gpu_memory", 24)
-    assert message.startswith("error: -B auto: a GPT of 1,557,686,400 parameters needs ")
+    assert message.startswith("error: -B auto: a GPT of 1,557,686,400 parameters plans ")
     assert "--fsdp 1 --recompute full over 2 GPUs" in message and "torchrun --nproc_per_node=2" in message
 
 
@@ -283,15 +284,67 @@ def test_auto_where_no_micro_batch_divides_the_step_is_one_line(capsys):
                        "micro-batch divides it; try --total_batch_size 1024")
 
 
-def test_auto_off_a_gpu_is_the_largest_power_of_two_up_to_the_recipes_that_divides_the_step(capsys):
-    cfg = train_gpt2.parse_args(["--total_batch_size", str(3 * 8 * 1024), "--plan"])
+def test_auto_on_a_cpu_fits_the_hosts_available_memory_or_says_it_cannot_read_it(monkeypatch):
+    """The same choice as on a GPU, against HOST_HEADROOM of the host's available memory (the
+    model's weights, built already, counted in), shared by the processes torchrun started on it."""
+    cfg = train_gpt2.parse_args(["--total_batch_size", str(3 * 8 * 1024)])
+    cfg = replace(cfg, scale=replace(cfg.scale, loss="masked"))  # --loss auto as the trainer resolves it on a CPU
+    weights = 4 * memory.n_params(cfg.model)
     logged = []
-    resolved = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
-    assert resolved.batch.micro_batch_size == 8 and resolved.flags()["micro_batch_size"] == 8
-    assert logged == ["micro-batch auto: 8 (the largest up to 64 that divides the step: cpu memory is not planned), "
-                      "3 micro-steps per step"]
-    assert [memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
-            .batch.micro_batch_size for cfg in (train_gpt2.parse_args([]), train_gpt2.parse_args(["-B", "5"]))] == [64, 5]
+    for available, processes in ((64 * memory.GiB, 1), (9 * memory.GiB, 1), (18 * memory.GiB, 2), (None, 1)):
+        monkeypatch.setattr(memory, "available_memory", lambda: available)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        resolved = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
+        if available is not None:
+            budget = available // processes + weights
+            picked = resolved.batch.micro_batch_size
+            estimate = memory.run_plan(cfg, picked, 1, 4, False)  # float32, eager
+            assert memory.fits(estimate, budget, "cpu")
+            assert picked == 8 or not memory.fits(memory.run_plan(cfg, 2 * picked, 1, 4, False), budget, "cpu")
+            assert logged[-1] == (f"micro-batch auto: {picked} (plan {memory.size(estimate.total)} of "
+                                  f"{memory.size(budget)} available), {24 // picked} micro-steps per step")
+    assert [int(line.split()[2]) for line in logged] == [8, 4, 4, 8]  # 8: the step's 24 sequences' largest power of two
+    assert logged[-1] == ("micro-batch auto: 8 (the largest up to 64 that divides the step: the host's available "
+                          "memory cannot be read), 3 micro-steps per step")
+    assert memory.resolve_micro_batch(train_gpt2.parse_args(["-B", "5"]), cfg.model, "cpu", 1, torch.float32, False,
+                                      logged.append).batch.micro_batch_size == 5
+
+
+def test_unfit_advice_names_what_would_fit_or_that_nothing_does():
+    """Each lever it names fits where the run does not, or lowers a plan that fits by a tenth; on
+    a CPU no FSDP (more processes on one host share its memory)."""
+    cfg = train_gpt2.parse_args(["--loss", "masked"])  # --loss auto as the trainer resolves it on a CPU
+    full = replace(cfg, scale=replace(cfg.scale, recompute="full"))
+    now, recomputed = (memory.run_plan(c, 1, 1, 4, False).total for c in (cfg, full))
+    between = (now + recomputed) / 2 / memory.HOST_HEADROOM
+    assert memory.unfit_advice(cfg, 1, between, 4, False, device="cpu").endswith(
+        f"over 80% of {memory.size(between)} available: --recompute full plans {memory.size(recomputed)}")
+    assert memory.unfit_advice(cfg, 1, recomputed / 2, 4, False, device="cpu").endswith(
+        f"over 80% of {memory.size(recomputed / 2)} available, and so is --recompute full's {memory.size(recomputed)}: "
+        f"nothing fits this host")
+    # A plan that fits, where --recompute full saves less than a tenth: the weights and AdamW are most of it.
+    short = train_gpt2.parse_args(["-T", "8", "--loss", "masked"])
+    assert memory.unfit_advice(short, 1, 64 * memory.GiB, 4, False, device="cpu").endswith(
+        "within 80% of 64.0 GiB available, so memory the plan does not count ran out (another process's?): no setting "
+        "the plan knows lowers it by a tenth")
+
+
+def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_one_line(shards, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The trainer on a CPU, a tiny model standing in for GPT-2 and a faked available memory: at a
+    step of 64 sequences -B auto takes 16, the largest whose plan fits; with less memory than one
+    sequence plans, it stops in one line before training, leaving no log_dir."""
+    cfg = train_gpt2.parse_args([*TINY, "--total_batch_size", "2048", "--loss", "masked"])  # auto's loss on a CPU
+    weights = 4 * memory.n_params(cfg.model)
+    sixteen, thirty_two = (memory.run_plan(cfg, batch, 1, 4, False).total for batch in (16, 32))
+    monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
+    train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
+    assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
+    assert load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))["args"]["micro_batch_size"] == 16
+    monkeypatch.setattr(memory, "available_memory", lambda: weights)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "none", "--total_batch_size", "2048")
+    assert message.startswith(f"error: -B auto: a GPT of {memory.n_params(cfg.model):,} parameters plans ")
+    assert message.endswith(": nothing fits this host") and not (tmp_path / "none").exists()
 
 
 def test_a_config_file_takes_auto_or_a_number_for_the_micro_batch(tmp_path, capsys):
@@ -308,11 +361,11 @@ def test_a_config_file_takes_auto_or_a_number_for_the_micro_batch(tmp_path, caps
 def test_auto_on_a_gpu_fits_its_free_memory_or_says_it_cannot_read_it(monkeypatch):
     cfg, logged = on_a_gpu(train_gpt2.parse_args([])), []
     for free in (24 * memory.GiB, None):
-        monkeypatch.setattr(memory, "free_memory", lambda device: free)
+        monkeypatch.setattr(memory, "free_memory", lambda device, model=None: free)
         resolved = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)
         assert resolved.batch.micro_batch_size == (32 if free else 64)
     expected = memory.run_plan(cfg, 32, 1, 2, True).total / memory.GiB
-    assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} of 24.0 GiB free), 16 micro-steps per step",
+    assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} GiB of 24.0 GiB free), 16 micro-steps per step",
                       "micro-batch auto: 64 (the largest up to 64 that divides the step: the GPU's free memory cannot "
                       "be read), 8 micro-steps per step"]
 

@@ -1,5 +1,6 @@
 """plot_log.py: a PNG and a summary from train_gpt2.py's log.jsonl, and clear errors."""
 import json
+import os
 import struct
 
 import pytest
@@ -55,6 +56,10 @@ def test_plot_and_summary_of_two_runs(tmp_path):
     assert "run_a/log.jsonl:125: skipping a damaged line" in result.stderr
     assert "run_a/log.jsonl:127: skipping a truncated last line" in result.stderr
     assert png_size(tmp_path / "runs.png") == (1400, 500)
+    # Without -o, beside the first run, not in the directory it was started from.
+    result = run_script("plot_log.py", "run_b", "run_a", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"wrote {os.path.join('run_b', 'plot.png')}"
+    assert png_size(tmp_path / "run_b" / "plot.png") == (1400, 500) and not (tmp_path / "plot.png").exists()
 
 
 def test_the_axes_hold_every_point_plotted_the_first_steps_too(tmp_path, monkeypatch):

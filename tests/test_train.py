@@ -19,8 +19,9 @@ import hellaswag
 import train_gpt2
 from checkpoint import load_checkpoint
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
-                      final_weights, listdir, one_line_error, read_log, run_cli, run_script, run_torchrun,
-                      save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
+                      final_weights, listdir, make_tiny_gpt, one_line_error, read_log, run_cli,
+                      run_script, run_torchrun, save_as_checkpoint, train, train_records, write_jsonl,
+                      write_token_shards)
 from data import ShardLoader, list_shards, write_shard
 from model import GPT, GPTConfig
 from muon import OptimizerConfig, build_optimizer
@@ -93,6 +94,31 @@ def test_demo_shards_only_its_own_data_dir(tmp_path, demo_dir, capsys):
     message = error_of(capsys, "--preset", "demo", "--data_dir", mistyped, "--log_dir", tmp_path / "log")
     assert message.startswith(f"error: no *_train_*.npy shards in {str(mistyped)!r}")
     assert not mistyped.exists() and not demo_dir.exists()
+
+
+def test_a_data_dir_of_val_shards_alone_says_its_corpus_fit_in_one_shard(tmp_path, capsys):
+    """What fineweb.py made of a small corpus before it refused one: the trainer names the cause."""
+    val = write_token_shards(tmp_path / "data", n_train=0)[0]
+    message = error_of(capsys, "--data_dir", tmp_path / "data", "--log_dir", tmp_path / "log")
+    assert message == (f"error: {str(tmp_path / 'data')!r} holds val shards ({os.path.basename(val)}) and no "
+                       f"*_train_*.npy: its corpus fit in one shard, the val split; shard it again with a smaller "
+                       f"--shard_size")
+
+
+def test_a_long_run_on_a_cpu_says_so_before_it_starts(tmp_path, capsys):
+    """Ten million steps of the tiny model would take days on a CPU: a note says so at start,
+    before the data is looked at (here missing); a short run says nothing."""
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + ["--max_steps", "10000000", "--data_dir", str(tmp_path / "none"),
+                                "--log_dir", str(tmp_path / "log")])
+    out, err = capsys.readouterr()
+    assert re.search(r"^note: on a CPU a step would take about \d+ s and the 10,000,000 steps [\d.]+ days .*this "
+                     r"run is meant for GPUs; `python train_gpt2.py --preset demo` trains a small GPT", out, re.M), out
+    assert err.startswith("error: no *_train_*.npy shards")
+    with pytest.raises(SystemExit):
+        train_gpt2.main(TINY + ["--max_steps", "100", "--data_dir", str(tmp_path / "none"),
+                                "--log_dir", str(tmp_path / "log")])
+    assert "note: on a CPU" not in capsys.readouterr().out
 
 
 def test_demo_shards_the_bundled_corpus_trains_and_samples(tmp_path, demo_dir, capsys):
@@ -739,6 +765,26 @@ def test_init_from_takes_only_the_weights_of_a_checkpoint_or_a_hugging_face_dire
     capsys.readouterr()
     assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "d", "--init_from", missing) == (
         f"error: --init_from: {missing}: no such checkpoint")
+
+
+def test_init_from_says_what_it_replaces_of_a_presets_model(tmp_path, capsys):
+    """--preset gpt2-medium --init_from a small checkpoint trains the checkpoint's model: one line
+    says so, with both sizes (here before the missing data stops the run)."""
+    model = make_tiny_gpt(block_size=1024)
+    small = save_as_checkpoint(model, tmp_path / "small.pt")
+    with pytest.raises(SystemExit):
+        train_gpt2.main(["--preset", "gpt2-medium", "--init_from", small, "--device", "cpu",
+                         "--data_dir", str(tmp_path / "none"), "--log_dir", str(tmp_path / "log")])
+    out, err = capsys.readouterr()
+    assert err.startswith("error: no *_train_*.npy shards")
+    assert (f"note: --init_from {small} replaces the model of --preset gpt2-medium (354,871,296 parameters: 24 "
+            f"layers, 16 heads, 1024 wide, context 1024, vocabulary 50304) with its own "
+            f"({sum(p.numel() for p in model.parameters()):,} parameters: 2 layers, 4 heads, 32 wide, context 1024, "
+            f"vocabulary 50304); the other settings stay") in out.splitlines()
+    # Flags that say what the checkpoint is: nothing replaced, whatever --dropout.
+    cfg = train_gpt2.parse_args(["--n_layer", "2", "--n_head", "4", "--n_embd", "32", "--dropout", "0.1",
+                                 "--init_from", small])
+    assert loading.replaced_settings(cfg, model.config) is None
 
 
 def test_dropout_resumes_exactly_in_one_process(shards, tmp_path):
