@@ -44,7 +44,7 @@ import generate
 import hellaswag
 import memory
 import peers
-from muon import OptimizerConfig
+from optimizers import OptimizerConfig
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard

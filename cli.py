@@ -1,20 +1,13 @@
 """What the scripts' command lines share: errors in one line, config files of flag values
-(configs/NAME.toml, the trainer's presets), bounded reads of the text files a user names, and
-the progress of long jobs."""
+(configs/NAME.toml, the trainer's presets), retired flags, and the torch version check."""
 import argparse
-import json
 import os
 import re
-import stat
 import sys
-import time
 import tomllib
-from dataclasses import field
 
-from tqdm import tqdm
-
-from atomic import check_writable, file_kind
-from tokenizer import N_VOCAB
+from atomic import check_writable
+from inputs import UnreadableFile, brief, open_regular
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -27,13 +20,6 @@ def preset_names():
 
 def preset_path(name):
     return os.path.join(CONFIG_DIR, f"{name}.toml")
-
-
-def setting(default, help, **flag):
-    """A config's field that is also a flag (train_config.add_flags): its default, its help, and
-    argparse's other keywords where its type says too little (choices, metavar; short="-B" adds a
-    short form, flag="NAME" names the flag other than the field)."""
-    return field(default=default, metadata={"help": help, **flag})
 
 
 class Retired(argparse.Action):
@@ -49,19 +35,6 @@ class Retired(argparse.Action):
 
     def message(self):
         return f"{self.option_strings[0]} is gone: {self.instead}"
-
-
-def check_positive(config, *names):
-    """ValueError naming the first of config's fields names that is not above 0 (a NaN is not)."""
-    for name in names:
-        if not getattr(config, name) > 0:
-            raise ValueError(f"--{name} must be positive, not {getattr(config, name)}")
-
-
-def check_not_negative(config, *names):
-    for name in names:
-        if not getattr(config, name) >= 0:
-            raise ValueError(f"--{name} must not be negative, not {getattr(config, name)}")
 
 
 class ConfigError(Exception):
@@ -186,13 +159,6 @@ def first_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def gpt2_vocab_problem(vocab_size):
-    """Why a model of vocab_size cannot read or write GPT-2's token ids, or None if it can."""
-    if vocab_size < N_VOCAB:
-        return f"a vocabulary of {vocab_size} cannot hold GPT-2's {N_VOCAB} token ids"
-    return None
-
-
 def as_switch(action, value):
     """A switch's value as its flag takes it: TOML's true and false, and 1 and 0, for a flag of
     choices 0 and 1 or of "1" and "0" (--compile auto|1|0); any other value as it is."""
@@ -237,160 +203,3 @@ def value_problem(action, value):
     if action.choices is not None and value not in action.choices:
         return f"must be one of {', '.join(map(str, action.choices))}, not {brief(value)}"
     return None
-
-
-def brief(value):
-    """value, read from a user's file, as text of bounded length for a message: a string as written
-    (past 100 characters, its first 40 and its length), a machine-sized number as written, anything
-    else by its type (a shared nested list can be cheap to read and endless to print)."""
-    if type(value) is str and len(value) > 100:
-        return f"{value[:40]!r}... ({len(value):,} characters)"
-    if type(value) in (str, bool, float, type(None)) or (type(value) is int and abs(value) < 1 << 64):
-        return repr(value)
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def parse_json(text):
-    """json.loads(text), but JSON nested past Python's recursion limit is a ValueError, as any
-    other text that is not JSON, not a RecursionError."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deep for Python's parser") from None
-
-
-PLAIN_TYPES = (str, int, float, bool, type(None))
-
-
-def structure_problem(value, max_depth, leaves=PLAIN_TYPES, max_values=1 << 18):
-    """Why value, decoded from a user's file (a checkpoint's plain data, a line of JSON), cannot be
-    walked, compared or printed at a bounded cost, or None: it must be dicts (of string or integer
-    keys), lists and tuples nested at most max_depth deep (a dict of numbers is 1 deep), max_values
-    values in all, their other values of the types leaves. A shared nest (x = [x, x] sixty times)
-    is a few hundred bytes to read and 2**60 values to walk: the walk stops at the first problem,
-    after max_values steps at most."""
-    seen = 0
-
-    def walk(v, depth):
-        nonlocal seen
-        seen += 1
-        if seen > max_values:
-            return f"holds more than {max_values:,} values"
-        if not isinstance(v, (dict, list, tuple)):
-            return None if isinstance(v, leaves) else f"holds {brief(v)}"
-        if depth == max_depth:
-            return f"is nested more than {max_depth} deep"
-        if isinstance(v, dict):
-            key = next((k for k in v if type(k) not in (str, int)), None)
-            if key is not None:
-                return f"has a key that is {brief(key)}, not a string or a number"
-            v = v.values()
-        return next(filter(None, (walk(item, depth + 1) for item in v)), None)
-    return walk(value, 0)
-
-
-# A line of a user's text file (for sample.py --prompt @FILE, the whole file) holds at most this
-# many characters: 4x what GPT-2's whole context can hold (1,024 tokens of at most 128 bytes),
-# hundreds of HellaSwag examples. A longer one is a mistake (a binary file, one with no line
-# breaks), refused before it fills the memory or reaches the tokenizer (whose regex fails at 1M spaces).
-MAX_LINE_CHARS = 1 << 19
-
-
-class UnreadableFile(ValueError):
-    """A user's file that cannot be read as asked: not a regular file, or a text line too long.
-    The message starts with the file's path, as given, and names the line where there is one."""
-
-
-def open_regular(path, mode="r", **open_args):
-    """open(path, mode, **open_args) if path is a regular file, UnreadableFile naming its kind if
-    not (a FIFO would wait for a writer, /dev/zero never ends), else OSError. The kind is asked of
-    the opened file, so nothing can be swapped in between."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # so that a FIFO opens at once, to be refused
-    try:
-        mode_bits = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode_bits):
-            raise UnreadableFile(f"{path}: {file_kind(mode_bits)}, "
-                                f"not a regular file")
-        return open(fd, mode, **open_args)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_text(path, max_chars=MAX_LINE_CHARS):
-    """The whole file, as is (\r\n stays \r\n); UnreadableFile past max_chars characters (only
-    max_chars + 1 are read), else as open_regular, or UnicodeDecodeError."""
-    with open_regular(path, encoding="utf-8", newline="") as f:
-        text = f.read(max_chars + 1)
-    if len(text) > max_chars:
-        raise UnreadableFile(f"{path}: more than {max_chars:,} characters")
-    return text
-
-
-def read_lines(path, max_chars=MAX_LINE_CHARS):
-    """Yields (number from 1, line without its line break) for each line (ended by \n, \r\n or
-    \r; a last line break ends the last line); UnreadableFile at a line of more than max_chars
-    characters (no more of it is read), else as open_regular, or UnicodeDecodeError."""
-    with open_regular(path, encoding="utf-8") as f:
-        number = 0
-        while line := f.readline(max_chars + 1):  # + 1: a line of max_chars and its line break
-            number += 1
-            line = line.removesuffix("\n")
-            if len(line) > max_chars:
-                raise UnreadableFile(f"{path} line {number}: more than {max_chars:,} characters")
-            yield number, line
-
-
-# Seconds between plain progress lines: a log (nohup, SLURM) shows that a job of hours lives,
-# without a line a second.
-PROGRESS_EVERY = 60
-
-
-def progress_meter(desc, unit, total=None, initial=0, scale=False, disable=False):
-    """The progress of a long job, on stderr: tqdm's bar where stderr is a terminal, else a plain
-    line every PROGRESS_EVERY seconds (ProgressLines). Both take update(n), set_postfix(**values)
-    and close(). total: None where unknown (no time left is shown); scale: 1.2M rather than 1,200,000."""
-    if disable or sys.stderr.isatty():
-        return tqdm(total=total, unit=unit, desc=desc, initial=initial, unit_scale=scale, disable=disable)
-    return ProgressLines(desc, unit, total, initial, scale)
-
-
-class ProgressLines:
-    """progress_meter() where no terminal shows a bar: lines such as
-    `hellaswag: 2,400/10,042 ex (24%), 41.3 ex/s, 03:05 left, acc_norm=0.2950`."""
-
-    def __init__(self, desc, unit, total, initial, scale):
-        self.desc, self.unit, self.total, self.scale = desc, unit, total, scale
-        self.start, self.done = initial, initial
-        self.postfix = {}
-        self.t0 = self.last = time.monotonic()
-
-    def update(self, n=1):
-        self.done += n
-        if time.monotonic() - self.last >= PROGRESS_EVERY:
-            self.write()
-
-    def set_postfix(self, refresh=True, **values):
-        self.postfix = values
-
-    def close(self):
-        if self.last != self.t0:  # the log ends at where the job ended, once it has shown any line
-            self.write()
-
-    def write(self):
-        self.last = time.monotonic()
-        rate = (self.done - self.start) / max(self.last - self.t0, 1e-9)
-        count = self.number(self.done)
-        if self.total:
-            count += f"/{self.number(self.total)} {self.unit} ({100 * self.done / self.total:.0f}%)"
-        else:
-            count += f" {self.unit}"
-        parts = [count, f"{self.number(rate)} {self.unit}/s"]
-        if self.total and self.done < self.total and rate > 0:
-            parts.append(f"{tqdm.format_interval((self.total - self.done) / rate)} left")
-        parts += [f"{key}={value}" for key, value in self.postfix.items()]
-        print(f"{self.desc}: {', '.join(parts)}", file=sys.stderr, flush=True)
-
-    def number(self, x):
-        return tqdm.format_sizeof(x) if self.scale else f"{x:,.0f}" if x >= 100 else f"{x:,.1f}".removesuffix(".0")

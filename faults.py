@@ -8,8 +8,8 @@ import signal
 
 import torch
 
-from cli import brief
 from distributed import RunError
+from inputs import brief
 
 KINDS = ("nan", "oom", "sigterm", "sigkill")
 

@@ -33,8 +33,10 @@ import pyarrow
 import pyarrow.parquet as pq
 
 from atomic import CannotClaim, atomic_open, claim_directory, remove_if_unused
-from cli import Parser, UnreadableFile, parse_json, preset_path, progress_meter, read_config, read_text
+from cli import Parser, preset_path, read_config
 from data import SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of, write_shard
+from inputs import UnreadableFile, parse_json, read_text
+from progress import progress_meter
 from tokenizer import BPE_SHA256, EOT, get_encoding
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"

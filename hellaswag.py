@@ -25,11 +25,13 @@ import torch
 from torch.nn import functional as F
 
 from atomic import atomic_open
-from cli import Parser, UnreadableFile, brief, gpt2_vocab_problem, progress_meter, read_lines
+from cli import Parser
 from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
+from inputs import UnreadableFile, brief, read_lines
 from loading import check_source, load_model_on
-from tokenizer import get_encoding
+from progress import progress_meter
+from tokenizer import get_encoding, gpt2_vocab_problem
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
 URL_ENV = "HELLASWAG_URL"  # overrides URL: a mirror, or a local folder as file:///... (the tests)
@@ -84,7 +86,7 @@ def parse_example(line):
 
 def read_examples(path, expected=None):
     """Every example of a HellaSwag jsonl file, each line checked; expected: the count it must
-    hold. A file that is not a regular file, or a line longer than cli.MAX_LINE_CHARS, is refused."""
+    hold. A file that is not a regular file, or a line longer than inputs.MAX_LINE_CHARS, is refused."""
     examples = []
     try:
         for lineno, line in read_lines(path):

@@ -12,11 +12,12 @@ import warnings
 from dataclasses import replace
 
 from checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_sharded, model_of
-from cli import first_line, gpt2_vocab_problem
+from cli import first_line
 from dcp_reader import CheckpointError
 from devices import pick_device
 from memory import n_params
 from model import GPT, PRETRAINED
+from tokenizer import gpt2_vocab_problem
 
 
 def load_model_on(name, device="cpu"):

@@ -9,8 +9,9 @@ import time
 
 import checkpoint
 from atomic import CannotClaim, atomic_open, claim_directory
-from cli import first_line, parse_json
+from cli import first_line
 from distributed import RunError
+from inputs import parse_json
 
 RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
 PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}(-\d+)?")  # an earlier run, moved aside by tidy_log_dir

@@ -13,8 +13,9 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import generate
-from cli import brief, setting
+from inputs import brief
 from loss import LOSSES, chunked_cross_entropy, masked_cross_entropy
+from settings import setting
 from tokenizer import N_VOCAB
 
 

@@ -17,9 +17,10 @@ from dataclasses import asdict
 import torch
 
 from atomic import atomic_open
-from cli import Parser, UnreadableFile, read_lines, read_text
+from cli import Parser
 from dcp_reader import CheckpointError
 from generate import GenerationConfig, generate_stream, left_pad
+from inputs import UnreadableFile, read_lines, read_text
 from loading import load_model_on
 from tokenizer import EOT, get_encoding
 
@@ -101,13 +102,13 @@ def early_stopping(text):
 
 
 def read_prompt(prompt):
-    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); cli.read_text's errors."""
+    """The prompt, or the file's text as is for @FILE (\r\n stays \r\n); inputs.read_text's errors."""
     return read_text(prompt[1:]) if prompt.startswith("@") else prompt
 
 
 def read_prompts(path):
     """One prompt a line (\n, \r\n or \r); a blank line is an empty prompt, a last line break ends
-    the last. cli.read_lines's errors, and ValueError for an empty file."""
+    the last. inputs.read_lines's errors, and ValueError for an empty file."""
     prompts = [line for _, line in read_lines(path)]
     if not prompts:
         raise ValueError("the file is empty (one prompt a line)")

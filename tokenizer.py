@@ -42,3 +42,10 @@ def read_ranks(path):
         raise ValueError(f"{path}: not GPT-2's BPE ranks (its SHA-256 is not {BPE_SHA256})")
     lines = (line.split() for line in contents.splitlines() if line)
     return {base64.b64decode(token): int(rank) for token, rank in lines}
+
+
+def gpt2_vocab_problem(vocab_size):
+    """Why a model of vocab_size cannot read or write GPT-2's token ids, or None if it can."""
+    if vocab_size < N_VOCAB:
+        return f"a vocabulary of {vocab_size} cannot hold GPT-2's {N_VOCAB} token ids"
+    return None

@@ -13,11 +13,13 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import Retired, brief, check_not_negative, check_positive, preset_names, setting
+from cli import Retired, preset_names
 from faults import fault_problem, parse_fault
+from inputs import brief
 from loss import LOSSES
 from model import RECOMPUTE, GPTConfig
-from muon import OptimizerConfig
+from optimizers import OptimizerConfig
+from settings import check_not_negative, check_positive, setting
 from tokenizer import PADDED_VOCAB
 
 PRESETS = preset_names()

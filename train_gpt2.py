@@ -32,7 +32,7 @@ import memory
 import sharding
 from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints
-from cli import Parser, gpt2_vocab_problem, preset_path
+from cli import Parser, preset_path
 from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, every_rank, on_every_rank
@@ -41,8 +41,8 @@ from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
 from loss import pick_loss
 from model import GPT
-from muon import OptimizerConfig, build_optimizer, describe, muon_lr
-from tokenizer import get_encoding
+from optimizers import OptimizerConfig, build_optimizer, current_muon_lr, describe, set_lr
+from tokenizer import get_encoding, gpt2_vocab_problem
 from train_config import ScaleConfig, TrainConfig, add_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -277,7 +277,8 @@ def log_step(run, step, result, seconds, bad_steps):
     flops = run.trainable.raw_model.flops_per_token(batch.seq_len) * batch.total_batch_size
     mfu = f" | mfu {100 * flops / seconds / (peak * run.world_size):.1f}%" if peak else ""
     mem = f" | mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device.startswith("cuda") else ""
-    muon = {} if muon_lr(run.trainable.optimizer) is None else {"muon_lr": muon_lr(run.trainable.optimizer)}
+    muon_lr = current_muon_lr(run.trainable.optimizer)
+    muon = {} if muon_lr is None else {"lr_muon": muon_lr}  # beside "lr", as --muon_lr's peak is beside --max_lr's
     run.log(f"step {step:5d} | loss {result.loss:.6f} | lr {result.lr:.4e}"
             + "".join(f" | muon lr {lr:.4e}" for lr in muon.values())
             + f" | norm {result.grad_norm:.4f} | dt {1000 * seconds:.2f}ms | tok/s {tokens_per_sec:.0f}{mfu}{mem}")
@@ -390,8 +391,7 @@ def train_step(trainable, loader, lr, stop_requested=lambda *flags: distributed.
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
     if not skipped:
-        for group in trainable.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1)  # a group's multiple of the schedule (muon.build_optimizer)
+        set_lr(trainable.optimizer, lr)
         trainable.scaler.step(trainable.optimizer)
     trainable.scaler.update()  # after every unscale_, or the next step's unscale_ raises
     synchronize(trainable.device)
@@ -447,7 +447,7 @@ def build_trainable(raw_model, device, config, init=None):
     dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket overlaps the backward of
     the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
-    their FSDP slices (muon.build_optimizer). How the model runs (recompute, attention) is its
+    their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
     own: see setup. The loss is config's, auto resolved for device (loss.pick_loss)."""
     config = replace(config, scale=replace(config.scale, loss=pick_loss(config.scale.loss, device.split(":")[0])))
     dtype = config.dtype

@@ -361,8 +361,8 @@ def test_without_a_network_a_hub_model_is_one_line_at_once(tmp_path):
 
 
 def stepped_optimizer(model, config):
-    """muon.build_optimizer(model, config) after one step, so that it holds state to save."""
-    from muon import build_optimizer
+    """optimizers.build_optimizer(model, config) after one step, so that it holds state to save."""
+    from optimizers import build_optimizer
     optimizer = build_optimizer(model, config, "cpu")
     model(torch.arange(16).view(1, 16), torch.arange(1, 17).view(1, 16))[1].backward()
     optimizer.step()
@@ -374,7 +374,7 @@ def stepped_optimizer(model, config):
 def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_learned(tmp_path, name, sharded):
     """load_state_dict would restore every saved group's settings: weight decay 0.1 would train on
     under --weight_decay 0, and Muon's momentum 0.9 under --muon_momentum 0.5."""
-    from muon import OptimizerConfig, torch_optimizers
+    from optimizers import OptimizerConfig, torch_optimizers
     model = GPT(GPTConfig(**TINY_CONFIG))
     saved = stepped_optimizer(model, OptimizerConfig(name, 1e-3, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.9,
                                                      muon_weight_decay=0.1))

@@ -260,17 +260,17 @@ def test_the_trainer_refuses_an_abbreviated_flag_in_one_line(capsys):
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, capsys):
     import io
 
-    import cli
+    import progress
     from tqdm import tqdm
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
     monkeypatch.setattr(sys, "stderr", Terminal())
-    assert isinstance(cli.progress_meter("job", "ex", total=10), tqdm)
+    assert isinstance(progress.progress_meter("job", "ex", total=10), tqdm)
     monkeypatch.undo()
-    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)
-    meter = cli.progress_meter("job", "ex", total=10)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY", 0)
+    meter = progress.progress_meter("job", "ex", total=10)
     meter.update(4)
     meter.set_postfix(loss="1.5")
     meter.update(6)

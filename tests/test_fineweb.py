@@ -171,8 +171,8 @@ def test_runs_where_torch_cannot_be_imported(tmp_path):
 
 
 def test_progress_lines_where_no_terminal_shows_a_bar(tmp_path, monkeypatch, capsys):
-    import cli
-    monkeypatch.setattr(cli, "PROGRESS_EVERY", 0)  # a line at every chunk of tokens
+    import progress
+    monkeypatch.setattr(progress, "PROGRESS_EVERY", 0)  # a line at every chunk of tokens
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     assert fineweb.main(["--input", corpus, "--shard_size", "50", "--num_proc", "1", "--prefix", "t",
                          "--output_dir", str(tmp_path / "out")]) == 0

@@ -184,7 +184,7 @@ def test_padded_vocabulary_never_reaches_loss_or_samples():
 
 
 def test_a_sequence_longer_than_block_size_is_a_clear_error():
-    # Token ids are checked where they are read (data.ShardLoader, cli.gpt2_vocab_problem), not here.
+    # Token ids are checked where they are read (data.ShardLoader, tokenizer.gpt2_vocab_problem), not here.
     model = GPT(GPTConfig(**TINY))
     with pytest.raises(ValueError, match="longer than block_size 32"):
         model(torch.zeros(1, 33, dtype=torch.long))

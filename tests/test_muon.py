@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import memory
-import muon
+import optimizers
 import train_gpt2
 from helpers import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
                       read_log, run_torchrun, train, train_records)
@@ -41,7 +41,7 @@ def block_matrices(model):
 def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
-    config = muon.OptimizerConfig(optimizer, 3e-3, 0.1, grad_clip=grad_clip, **kw)
+    config = optimizers.OptimizerConfig(optimizer, 3e-3, 0.1, grad_clip=grad_clip, **kw)
     step = train_gpt2.StepConfig(torch.float32, 4 * 32, config)  # batch()'s
     t = train_gpt2.build_trainable(model, "cpu", step)
     if scaler is not None:
@@ -52,7 +52,7 @@ def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
 def test_every_parameter_belongs_to_exactly_one_optimizer():
     model = tiny_model()
     optimizer = trainable(model, "muon", muon_lr=0.02, muon_momentum=0.9, muon_weight_decay=0.05).optimizer
-    assert isinstance(optimizer, muon.MuonAdamW) and isinstance(optimizer.adamw, torch.optim.AdamW)
+    assert isinstance(optimizer, optimizers.MuonAdamW) and isinstance(optimizer.adamw, torch.optim.AdamW)
     muon_ids = [id(p) for g in optimizer.muon.param_groups for p in g["params"]]
     adamw_ids = [id(p) for g in optimizer.adamw.param_groups for p in g["params"]]
     # Muon: exactly the four matrices of each block, as nn.Linear holds them, (out, in); c_attn's
@@ -110,7 +110,7 @@ def test_a_muon_step_equals_torchs_muon_and_adamw_applied_by_hand():
         with torch.no_grad():
             for w, parts in zip(qkv, q_k_v):
                 w.copy_(torch.cat(parts))
-        assert result.loss == loss.item() and muon.muon_lr(t.optimizer) == lr * (0.02 / 3e-3)
+        assert result.loss == loss.item() and optimizers.current_muon_lr(t.optimizer) == lr * (0.02 / 3e-3)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(t.optimizer.muon.state[model.transformer.h[0].attn.c_attn.weight]["momentum_buffer"],
@@ -133,7 +133,7 @@ def test_the_default_adamw_path_is_plain_adamw_unchanged():
         for group in by_hand.param_groups:
             group["lr"] = lr
         by_hand.step()
-        assert muon.muon_lr(t.optimizer) is None and [g["lr"] for g in t.optimizer.param_groups] == [lr, lr]
+        assert optimizers.current_muon_lr(t.optimizer) is None and [g["lr"] for g in t.optimizer.param_groups] == [lr, lr]
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
 
@@ -210,18 +210,18 @@ def assert_close_under_muon(a, b):
 
 def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch):
     stepped = []
-    real_step = muon.BlockMuon.step
+    real_step = optimizers.BlockMuon.step
 
     def recording_step(self, *args, **kwargs):
         stepped.append(self.param_groups[0]["lr"])
         return real_step(self, *args, **kwargs)
-    monkeypatch.setattr(muon.BlockMuon, "step", recording_step)
+    monkeypatch.setattr(optimizers.BlockMuon, "step", recording_step)
     flags = [*STEPS, *MUON, "--max_steps", "4"]
     records = train_records(train(shards, tmp_path, *flags))
     schedule = train_gpt2.parse_args(TINY + flags).schedule
     expected = [schedule.lr(step, 3e-3) for step in range(4)]
     assert [r["lr"] for r in records] == expected
-    assert [r["muon_lr"] for r in records] == stepped == [lr * (0.02 / 3e-3) for lr in expected]
+    assert [r["lr_muon"] for r in records] == stepped == [lr * (0.02 / 3e-3) for lr in expected]
     assert max(stepped) == pytest.approx(0.02)
 
 
@@ -314,7 +314,7 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, flags)
     assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
                                        scaler, loader) == 3
-    optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
+    optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
     with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
                                                          "--optimizer muon"):
         checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader)
@@ -324,10 +324,10 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     model = tiny_model()
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    fused = muon.OptimizerConfig("muon", 1e-3, 0.1, fused_adamw=True, muon_lr=0.02)
-    saved = muon.build_optimizer(model, fused, "cuda")
+    fused = optimizers.OptimizerConfig("muon", 1e-3, 0.1, fused_adamw=True, muon_lr=0.02)
+    saved = optimizers.build_optimizer(model, fused, "cuda")
     state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON).flags())
-    optimizer = muon.build_optimizer(model, muon.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
+    optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
     assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
@@ -410,4 +410,4 @@ def test_plan_counts_one_buffer_per_muon_parameter(capsys):
     line = [line for line in muon_out.splitlines() if line.strip().startswith("optimizer ")]
     assert line == [f"  {'optimizer':<12} {by_muon.optimizer / memory.GiB:8.2f} GiB"]
     assert f"{by_adamw.optimizer / memory.GiB:8.2f} GiB" in adamw and "optimizer muon" in muon_out
-    assert memory.n_muon_params(GPTConfig(**TINY_CONFIG)) == sum(p.numel() for p in muon.muon_params(tiny_model()))
+    assert memory.n_muon_params(GPTConfig(**TINY_CONFIG)) == sum(p.numel() for p in optimizers.muon_params(tiny_model()))

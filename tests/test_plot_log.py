@@ -142,7 +142,7 @@ def test_a_record_whose_value_is_not_a_number_is_skipped(tmp_path, capsys):
         f"warning: {log}:3: skipping a record whose val_loss is NaN, not a finite number",
         f'warning: {log}:4: skipping a record whose step is "30", not a finite number',
         f"warning: {log}:6: skipping a record whose val_loss is {'x' * 40!r}... (1,000,000 characters), not a finite "
-        f"number",  # cut to a bounded length (cli.brief)
+        f"number",  # cut to a bounded length (inputs.brief)
         f"warning: {log}:7: skipping a damaged line",  # JSON nested past Python's recursion limit
     ]
 

@@ -24,7 +24,7 @@ from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch
                       write_token_shards)
 from data import ShardLoader, list_shards, write_shard
 from model import GPT, GPTConfig
-from muon import OptimizerConfig, build_optimizer
+from optimizers import OptimizerConfig, build_optimizer
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):

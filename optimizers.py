@@ -1,6 +1,7 @@
-"""--optimizer muon: torch.optim.Muon for the matrices inside the blocks, the recipe's AdamW for
-everything else, as one optimizer object that the trainer, torch.amp.GradScaler and the checkpoints
-treat as they treat AdamW alone.
+"""The run's optimizer (--optimizer): the recipe's AdamW for every parameter (GPT.configure_optimizers'
+two groups), or, under --optimizer muon, torch.optim.Muon for the matrices inside the blocks and that
+AdamW for everything else, as one optimizer object that the trainer, torch.amp.GradScaler and the
+checkpoints treat as they treat AdamW alone; and the learning rate each of its groups steps at.
 
 Muon's parameters are the four matrices of each Block: attention's c_attn and c_proj, the MLP's
 c_fc and c_proj. They are nn.Linear weights, (out, in), the orientation Muon's shape adjustment
@@ -15,15 +16,16 @@ DTensor ops, which DTensor carries out across the ranks, so 2 ranks step as one 
 The trainer then has sharding.py split c_attn over the ranks by columns, so that its q, k and v
 row blocks are views of each rank's slice.
 
-The schedule: train_step sets each param group's lr to the schedule's lr(step) times the group's
-"lr_scale" (1 where it has none: AdamW's, whose lr is then the schedule's exactly). Muon's groups
-carry lr_scale = muon_lr / max_lr, so their lr warms up and decays with AdamW's and peaks at muon_lr.
+The schedule: set_lr sets each param group's lr to the schedule's lr(step) times the group's own
+"lr_scale" (1 where it has none: AdamW's, whose lr is then the schedule's exactly), as a LambdaLR
+scales each group's lr. Muon's groups carry lr_scale = muon_lr / max_lr, so their lr warms up and
+decays with AdamW's and peaks at muon_lr.
 """
 from dataclasses import dataclass
 
 import torch
 
-from cli import check_not_negative, check_positive, setting
+from settings import check_not_negative, check_positive, setting
 
 OPTIMIZERS = ("adamw", "muon")
 # --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).
@@ -163,7 +165,13 @@ def build_optimizer(raw_model, config, device_type):
     return MuonAdamW(adamw, muon)
 
 
-def muon_lr(optimizer):
+def set_lr(optimizer, lr):
+    """Sets each param group's lr to lr, the schedule's, times the group's lr_scale (1 where it has none)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1)
+
+
+def current_muon_lr(optimizer):
     """The lr Muon's groups stepped at last, or None for an optimizer without Muon."""
     return optimizer.muon.param_groups[0]["lr"] if isinstance(optimizer, MuonAdamW) else None
 
