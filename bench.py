@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-from fractions import Fraction
 
 import numpy as np
 import torch
@@ -44,17 +43,18 @@ import generate
 import hellaswag
 import memory
 import peers
-from optimizers import OptimizerConfig
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
-from model import GPT, GPTConfig, PRETRAINED, RECOMPUTE
-from loss import LOSSES, pick_loss
-from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from train_config import ScaleConfig, TrainConfig
 from distributed import RunError
-from train_gpt2 import ATTENTION_KERNELS, StepConfig, StepOutOfMemory, build_trainable, train_step
+from loss import LOSSES, pick_loss
+from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
+from optimizers import OptimizerConfig
+from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
+from train_config import ScaleConfig, TrainConfig, micro_steps, split_problem
+from train_gpt2 import StepOutOfMemory, train_step, train_step_fitting
+from trainable import StepConfig, build_trainable
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -152,24 +152,21 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(f"--device: {e}")
     device_type = args.device.split(":")[0]
-    cfg = train_config(args, device_type)
-    if cfg["n_embd"] % cfg["n_head"]:
-        p.error(f"--n_embd {cfg['n_embd']} is not divisible by --n_head {cfg['n_head']}")
+    sizes = train_sizes(args, device_type)
+    if sizes["n_embd"] % sizes["n_head"]:
+        p.error(f"--n_embd {sizes['n_embd']} is not divisible by --n_head {sizes['n_head']}")
     idle = set(args.levers) - set(levers_that_apply(compiles(args, device_type), device_type))
     if idle and args.levers != ALL_LEVERS:  # named, not just all of them
         p.error(f"--levers: {', '.join(sorted(idle))}: not a lever of the project on {device_type} "
                 f"(compile: where it compiles; fused_adamw, fused_loss, cudnn_attention, max_autotune: CUDA; "
                 f"a loss: where it is not the project's own)")
-    if cfg["warmup"] < 0:
-        p.error(f"--warmup must be 0 or more, not {cfg['warmup']}")
+    if sizes["warmup"] < 0:
+        p.error(f"--warmup must be 0 or more, not {sizes['warmup']}")
     if "train" in args.parts:
-        for B in cfg["micro_batch_size"]:
-            total, tokens_per_pass = total_batch(cfg, B), B * cfg["seq_len"]
-            if total % tokens_per_pass:  # as the trainer refuses it; a Fraction, not a float, for absurd sizes
-                suggestion = max(1, round(Fraction(total, tokens_per_pass))) * tokens_per_pass
-                p.error(f"--total_batch_size {total} is not a multiple of B*T = {B}*{cfg['seq_len']} = "
-                        f"{tokens_per_pass}; try --total_batch_size {suggestion} or another -B")
-        check_train_fits(p, cfg, args.device)
+        for B in sizes["micro_batch_size"]:
+            if problem := split_problem(total_batch(sizes, B), B, sizes["seq_len"]):  # as the trainer refuses it
+                p.error(problem)
+        check_train_fits(p, sizes, args.device)
     if PEERS in args.parts:
         check_peers(p, args)
     if args.json:
@@ -205,25 +202,25 @@ def check_peers(p, args):
 
 def peers_config(args):
     """The peers' sizes: train's at GPT-2 (124M) on a GPU, the first -B; llm.c built for this GPU."""
-    cfg = train_config(args, "cuda")
+    sizes = train_sizes(args, "cuda")
     major, minor = torch.cuda.get_device_capability(args.device)
-    return peers.PeersConfig(args.llmc, args.build_nanogpt, cfg["micro_batch_size"][0], cfg["seq_len"],
-                             cfg["total_batch_size"] or TRAINER_TOTAL_BATCH, cfg["steps"], cfg["warmup"],
+    return peers.PeersConfig(args.llmc, args.build_nanogpt, sizes["micro_batch_size"][0], sizes["seq_len"],
+                             sizes["total_batch_size"] or TRAINER_TOTAL_BATCH, sizes["steps"], sizes["warmup"],
                              gpu_arch=f"{major}{minor}", timeout=args.peer_timeout)
 
 
-def check_train_fits(p, cfg, device):
+def check_train_fits(p, sizes, device):
     """A one-line exit, before anything is allocated, where train's sizes cannot be held: its largest
     model on the device (memory.fit_problem, as the trainer checks), or its shard of random tokens in
     the host's memory. A batch too large for its activations is not refused: that is an answer."""
-    problem = memory.fit_problem(train_model_config(cfg, PADDED_VOCAB), device)
+    problem = memory.fit_problem(train_model_config(sizes, PADDED_VOCAB), device)
     if problem:
         p.fail(problem)
     have = device_memory("cpu")
-    if SHARD_BYTES_PER_TOKEN * shard_tokens(cfg) > have:  # named by its flags: the product may have thousands of digits
-        per_step = (f"--total_batch_size {cfg['total_batch_size']}" if cfg["total_batch_size"] else
-                    f"{SMALL_ACCUM} micro-steps x -B {max(cfg['micro_batch_size'])} x -T {cfg['seq_len']}")
-        p.fail(f"train's random tokens, (--steps {cfg['steps']} + --warmup {cfg['warmup']} + 1) x {per_step}, "
+    if SHARD_BYTES_PER_TOKEN * shard_tokens(sizes) > have:  # named by its flags: the product may have thousands of digits
+        per_step = (f"--total_batch_size {sizes['total_batch_size']}" if sizes["total_batch_size"] else
+                    f"{SMALL_ACCUM} micro-steps x -B {max(sizes['micro_batch_size'])} x -T {sizes['seq_len']}")
+        p.fail(f"train's random tokens, (--steps {sizes['steps']} + --warmup {sizes['warmup']} + 1) x {per_step}, "
                f"do not fit in the host's {have / memory.GiB:,.0f} GiB of memory")
 
 
@@ -238,7 +235,7 @@ def batch_sizes(text):
     return [fineweb.positive_int(b) for b in text.split(",")]
 
 
-def train_config(args, device_type):
+def train_sizes(args, device_type):
     """GPT-2 (124M) at B=64, T=1024 and the trainer's total batch on a GPU; a small GPT on a CPU; a
     tiny one with --quick. total_batch_size None: SMALL_ACCUM micro-batches of each -B (total_batch).
     On a CPU the step is SMALL_ACCUM micro-steps, so fewer steps: (3 + 1) x 2 micro-steps, about
@@ -274,21 +271,21 @@ def bench_matmul(args, device, record):
 SHARD_BYTES_PER_TOKEN = 10  # drawn as int64, then copied to uint16 to be written
 
 
-def total_batch(cfg, B):
+def total_batch(sizes, B):
     """Tokens per optimizer step at micro-batch B: --total_batch_size (or the size's default), or
     SMALL_ACCUM micro-batches where the size has none."""
-    return cfg["total_batch_size"] or SMALL_ACCUM * B * cfg["seq_len"]
+    return sizes["total_batch_size"] or SMALL_ACCUM * B * sizes["seq_len"]
 
 
-def shard_tokens(cfg):
+def shard_tokens(sizes):
     """Tokens of the shard bench_train writes: the largest step's tokens for every step, warm-up
     included, read once, and one token more for the last batch's targets."""
-    return (cfg["steps"] + cfg["warmup"] + 1) * max(total_batch(cfg, B) for B in cfg["micro_batch_size"]) + 1
+    return (sizes["steps"] + sizes["warmup"] + 1) * max(total_batch(sizes, B) for B in sizes["micro_batch_size"]) + 1
 
 
-def train_model_config(cfg, vocab_size):
-    return GPTConfig(block_size=cfg["seq_len"], vocab_size=vocab_size, n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                     n_embd=cfg["n_embd"])
+def train_model_config(sizes, vocab_size):
+    return GPTConfig(block_size=sizes["seq_len"], vocab_size=vocab_size, n_layer=sizes["n_layer"], n_head=sizes["n_head"],
+                     n_embd=sizes["n_embd"])
 
 
 SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
@@ -371,21 +368,21 @@ def compiles(args, device_type):
 
 def bench_train(args, device, workdir, record):
     device_type = device.split(":")[0]
-    cfg = train_config(args, device_type)
-    T = cfg["seq_len"]
+    sizes = train_sizes(args, device_type)
+    T = sizes["seq_len"]
     dtype = pick_dtype(args.dtype, device_type)
     compile_model = compiles(args, device_type)
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
-    write_shard(shard, text_tokens(shard_tokens(cfg)))
-    for i, B in enumerate(cfg["micro_batch_size"]):
+    write_shard(shard, text_tokens(shard_tokens(sizes)))
+    for i, B in enumerate(sizes["micro_batch_size"]):
         project = None  # the project's run at B: every other run there must train as it does
         for variant, lever in train_runs(args, compile_model, device_type, with_levers=i == 0):
             levers = train_levers(variant, lever, compile_model)
             result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
-            result.update(time_train_run(cfg, B, levers, variant == "baseline", shard, device, dtype))
+            result.update(time_train_run(sizes, B, levers, variant == "baseline", shard, device, dtype))
             micro = result["micro_batch_size"]
             halved = f" (halved from {B})" if micro != B else ""
-            result["config"] = (f"L{cfg['n_layer']} C{cfg['n_embd']} B{micro}{halved} T{T} "
+            result["config"] = (f"L{sizes['n_layer']} C{sizes['n_embd']} B{micro}{halved} T{T} "
                                 f"accum={result['grad_accum_steps']} {str(dtype).split('.')[1]} "
                                 f"compile={int(levers['compile'] is not None)}")
             if "losses" in result:
@@ -393,12 +390,12 @@ def bench_train(args, device, workdir, record):
                 project = project or result
             record(result)
     if args.profile:
-        B = cfg["micro_batch_size"][0]
+        B = sizes["micro_batch_size"][0]
         levers = train_levers("project", None, compile_model)
         result = dict(name="profile", variant="project",
-                      config=f"L{cfg['n_layer']} C{cfg['n_embd']} B{B} T{T} accum={total_batch(cfg, B) // (B * T)} "
+                      config=f"L{sizes['n_layer']} C{sizes['n_embd']} B{B} T{T} accum={micro_steps(total_batch(sizes, B), B, T)} "
                              f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
-        result.update(profile_train_steps(cfg, B, total_batch(cfg, B), levers, shard, device, dtype, args.trace))
+        result.update(profile_train_steps(sizes, B, total_batch(sizes, B), levers, shard, device, dtype, args.trace))
         record(result)
 
 
@@ -419,47 +416,40 @@ def train_levers(variant, lever, compile_model):
     return {**levers, **off.get(lever, {})}
 
 
-def time_train_run(cfg, B, levers, shrink_to_fit, shard, device, dtype):
-    """The figures of train_gpt2.train_step, total_batch(cfg, B) tokens per optimizer step in
+def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
+    """The figures of train_gpt2.train_step, total_batch(sizes, B) tokens per optimizer step in
     micro-steps of B, timed on a fresh model, or {"out_of_memory": True}, or {"error": why}; with
-    the micro-batch, accumulation and total batch. With shrink_to_fit, a micro-batch that runs out
-    of memory is halved, with twice the gradient accumulation: the same tokens per step, at what fits."""
-    total, micro_batch_size = total_batch(cfg, B), B
-    while True:
-        result = time_train_steps(cfg, micro_batch_size, total, levers, shard, device, dtype)
-        if not (result.get("out_of_memory") and shrink_to_fit and micro_batch_size % 2 == 0):
-            break
-        micro_batch_size //= 2
-    grad_accum_steps = total // (micro_batch_size * cfg["seq_len"])
-    return dict(result, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, total_batch_size=total)
-
-
-def time_train_steps(cfg, micro_batch_size, tokens, levers, shard, device, dtype):
-    """train_step timed, tokens per optimizer step in micro-batches of micro_batch_size (train_run)."""
+    the micro-batch, accumulation and total batch. With shrink_to_fit, a step that runs out of
+    memory runs again at half the micro-batch, as the trainer's under -B auto (train_step_fitting):
+    the same tokens per step, at what fits."""
+    total, T = total_batch(sizes, B), sizes["seq_len"]
     device_type = device.split(":")[0]
-    T = cfg["seq_len"]
 
     def measure(model, trainable, loader):
         if device_type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         steps = []  # each step's result, the warm-up's too: whether the run trained is judged on them (judged)
-        seconds = time_steps(lambda: steps.append(train_step(trainable, loader, 6e-4)), cfg["warmup"], cfg["steps"],
-                             device)
+        seconds = time_steps(lambda: steps.append(train_step_fitting(trainable, loader, 6e-4, halve=shrink_to_fit)),
+                             sizes["warmup"], sizes["steps"], device)
         peak = peak_flops(device)
-        return dict(tokens_per_sec=tokens / seconds, ms_per_step=1000 * seconds,
-                    mfu=model.flops_per_token(T) * tokens / seconds / peak if peak else None,
+        return dict(tokens_per_sec=total / seconds, ms_per_step=1000 * seconds,
+                    mfu=model.flops_per_token(T) * total / seconds / peak if peak else None,
                     peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None,
-                    losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps])
-    return train_run(cfg, micro_batch_size, tokens, levers, shard, device, dtype, measure)
+                    losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps],
+                    micro_batch_size=loader.B)
+    result = train_run(sizes, B, total, levers, shard, device, dtype, measure)
+    micro_batch_size = result.get("micro_batch_size", B)
+    return dict(result, micro_batch_size=micro_batch_size, grad_accum_steps=micro_steps(total, micro_batch_size, T),
+                total_batch_size=total)
 
 
-def train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure):
+def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure):
     """measure(model, trainable, loader) of a fresh model's Trainable, whose steps take tokens_per_step
     tokens, and a loader of micro_batch_size: its dict, or {"out_of_memory": True}, or {"error": why}."""
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
-    model = GPT(train_model_config(cfg, levers["vocab_size"]), recompute=levers["recompute"],
+    model = GPT(train_model_config(sizes, levers["vocab_size"]), recompute=levers["recompute"],
                 attention=ATTENTION_KERNELS[levers["attention"]]).to(device)
     trainable = None
     # Inductor reads its settings when it compiles, on the first step: set for the whole run.
@@ -469,7 +459,7 @@ def train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dty
                               ScaleConfig(loss=levers["loss"]),
                               compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
-            return measure(model, trainable, ShardLoader([shard], micro_batch_size, cfg["seq_len"]))
+            return measure(model, trainable, ShardLoader([shard], micro_batch_size, sizes["seq_len"]))
         except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here
             return {"out_of_memory": True}
         except RunError as e:  # train_step's refusal of a step without gradient: a run that trains nothing
@@ -507,20 +497,20 @@ def operator_category(event):
     return "element-wise"
 
 
-def profile_steps(cfg):
-    return min(cfg["steps"], 3)
+def profile_steps(sizes):
+    return min(sizes["steps"], 3)
 
 
-def profile_train_steps(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, trace):
-    """train_step profiled for profile_steps(cfg) steps after max(1, --warmup) untimed ones (each
+def profile_train_steps(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, trace):
+    """train_step profiled for profile_steps(sizes) steps after max(1, --warmup) untimed ones (each
     tokens_per_step tokens in micro-batches of micro_batch_size); the Chrome trace written to trace.
     Returns the figures of profile_table, with the number of steps and where the trace is, or
     {"out_of_memory": True} or {"error": why}."""
     device_type = device.split(":")[0]
-    n_steps = profile_steps(cfg)
+    n_steps = profile_steps(sizes)
 
     def measure(model, trainable, loader):
-        for _ in range(max(1, cfg["warmup"])):
+        for _ in range(max(1, sizes["warmup"])):
             train_step(trainable, loader, 6e-4)  # it waits for the device: the profile starts on an idle one
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device_type == "cuda":
@@ -535,7 +525,7 @@ def profile_train_steps(cfg, micro_batch_size, tokens_per_step, levers, shard, d
             print(f"warning: could not write the trace {trace}: {problem}", file=sys.stderr)
         return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps,
                     trace=None if problem else trace)
-    return train_run(cfg, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure)
+    return train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure)
 
 
 def export_trace(prof, path):
@@ -727,14 +717,14 @@ def scoring_flops(model, examples):
     """Forward FLOPs that scoring examples takes, padding excluded: per row, PaLM's count of
     2N + 4·L·C·T per token read (N the blocks' parameters, T the row's length), plus the head's
     2·C·V at each ending position (the only ones whose logits are computed)."""
-    cfg = model.config
+    sizes = model.config
     n_blocks = sum(p.numel() for p in model.transformer.h.parameters())
     flops = 0
     for example in examples:
-        for tokens, start in hellaswag.example_rows(example, cfg.block_size):
+        for tokens, start in hellaswag.example_rows(example, sizes.block_size):
             read = len(tokens) - 1
-            flops += (2 * n_blocks + 4 * cfg.n_layer * cfg.n_embd * read) * read
-            flops += 2 * cfg.n_embd * cfg.vocab_size * (len(tokens) - start)
+            flops += (2 * n_blocks + 4 * sizes.n_layer * sizes.n_embd * read) * read
+            flops += 2 * sizes.n_embd * sizes.vocab_size * (len(tokens) - start)
     return flops
 
 

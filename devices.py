@@ -3,7 +3,7 @@ import os
 import re
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -91,6 +91,16 @@ def pick_dtype(name, device_type, log=None):
 def autocast(device_type, dtype):
     """Mixed precision in dtype, or nothing for float32."""
     return torch.autocast(device_type, dtype) if dtype != torch.float32 else nullcontext()
+
+
+@contextmanager
+def evaluating(model):
+    """model in evaluation mode (no dropout) within, back in training mode after."""
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
 
 
 def device_memory(device):

@@ -85,11 +85,12 @@ def every_rank(value):
     return values
 
 
-def on_every_rank(fn, *args):
-    """fn(*args), where a RunError raised on any rank is raised on every rank (see agree)."""
+def on_every_rank(fn, *args, errors=()):
+    """fn(*args), where a RunError, or one of errors, raised on any rank is raised as a RunError on
+    every rank (see agree)."""
     try:
         result, error = fn(*args), None
-    except RunError as e:
+    except (RunError, *errors) as e:
         result, error = None, str(e)
     agree(error)
     return result

@@ -661,11 +661,14 @@ def shard_local_files(paths, job, text_field="text"):
     return shard_corpus(corpus, job)
 
 
-def shard_demo_corpus(data_dir):
+def shard_demo_corpus(data_dir, enabled=True):
     """The bundled Tiny Shakespeare, sharded into data_dir if it is the demo preset's own (on first
-    use, or to complete an interrupted first sharding); returns a line saying so, or None where
-    nothing was sharded. Any other data_dir is the user's: a missing one is the trainer's error,
-    not a new folder. Raises as shard_local_files, or OSError for a shard that cannot be written."""
+    use, or to complete an interrupted first sharding), where enabled (the trainer's rank 0); returns
+    a line saying so, or None where nothing was sharded. Any other data_dir is the user's: a missing
+    one is the trainer's error, not a new folder. Raises as shard_local_files (InputError), or
+    OSError for a shard that cannot be written."""
+    if not enabled:
+        return None
     own = os.path.join(os.path.dirname(os.path.abspath(__file__)), read_config(preset_path("demo"))["data_dir"])
     if os.path.realpath(data_dir) != os.path.realpath(own):
         return None

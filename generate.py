@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from tokenizer import get_encoding
+
 DECODES = ("sampling", "greedy", "beam")
 # Bounds past which an option fails in a traceback rather than generate: a prompt's rows (samples
 # or beams) each hold a vocabulary's logits every step; a logit divided by a repetition_penalty
@@ -292,3 +294,14 @@ def beam_search(model, idx, config, n_pad):
         reported |= done
         if reported.all():
             return
+
+
+@torch.no_grad()
+def preview(model, prompt, seed, device, num_samples=4, max_new_tokens=32):
+    """num_samples texts continuing prompt (text), top-k 50, from model, a GPT on device in
+    evaluation mode (a training run's preview; the caller holds its autocast)."""
+    enc = get_encoding()
+    ids = torch.tensor(enc.encode_ordinary(prompt), device=device).repeat(num_samples, 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = generate(model, ids, GenerationConfig(max_new_tokens=max_new_tokens, top_k=50), generator=generator)
+    return [enc.decode(row) for row in out.tolist()]

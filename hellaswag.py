@@ -10,7 +10,7 @@ every ending token given all tokens before it is summed (acc picks the lowest su
 averaged over the ending's tokens (acc_norm picks the lowest mean). Rows are padded on
 the right, where causal attention never looks, and pad positions are left out of the loss.
 
-train_gpt2.py imports load_examples and count_correct for its periodic eval.
+train_gpt2.py scores its periodic evals with load_for_run and accuracy_over_ranks.
 """
 import contextlib
 import http.client
@@ -22,12 +22,16 @@ import urllib.request
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
+
+import sharding
 
 from atomic import atomic_open
 from cli import Parser
 from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
+from distributed import every_rank
 from inputs import UnreadableFile, brief, read_lines
 from loading import check_source, load_model_on
 from progress import progress_meter
@@ -286,6 +290,54 @@ def count_correct(model, examples, config, rank=0, world_size=1, equal_shares=Fa
         bar.update(len(finished))
     bar.close()
     return {"n": n, "correct": correct, "correct_norm": correct_norm}
+
+
+def load_for_run(eval_config, local_rank, gpt_config, log):
+    """The examples a training run of eval_config (train_config.EvalConfig) scores at each eval, or
+    None with a one-line note to log (offline, or a damaged file: training goes on without them).
+    Each eval is a collective, so unless every rank loaded the same number of examples, no rank
+    scores any; nor where a GPT of gpt_config cannot hold them."""
+    if not eval_config.hellaswag or not eval_config.eval_interval:
+        return None
+    # One download per machine, not one per GPU: local rank 0 reads first, fetching the file
+    # if it is not cached; the other ranks wait at the barrier, then read its copy.
+    if dist.is_initialized() and local_rank != 0:
+        dist.barrier()
+    examples, path = None, eval_config.hellaswag_path
+    if path is not None and not os.path.exists(path):
+        log(f"note: no HellaSwag file at {path}: skipping HellaSwag "
+            f"(`python hellaswag.py --download_only` fetches it to {cached_path('val')})")
+    else:
+        try:
+            examples = load_examples(path, local_flag="--hellaswag_path")[: eval_config.hellaswag_limit or None]
+        except HellaSwagError as e:
+            log(f"note: skipping HellaSwag: {e}")
+    if dist.is_initialized() and local_rank == 0:
+        dist.barrier()
+    counts = every_rank(len(examples) if examples else 0)
+    if len(set(counts)) > 1:
+        log(f"note: skipping HellaSwag: not every rank could load it (examples per rank: {counts})")
+        return None
+    if examples:
+        try:
+            check_model(gpt_config, examples)
+        except HellaSwagError as e:  # the same examples on every rank: all skip alike
+            log(f"note: skipping HellaSwag: {e}")
+            return None
+    return examples
+
+
+@torch.no_grad()
+def accuracy_over_ranks(model, examples, config, rank=0, world_size=1):
+    """(acc, acc_norm, n) of model, a GPT in evaluation mode, FSDP-sharded or not, with the examples
+    split across ranks as config says and the counts summed."""
+    counts = count_correct(model, examples, config, rank, world_size, equal_shares=sharding.is_sharded(model))
+    total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=config.device,
+                         dtype=torch.long)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    n, correct, correct_norm = total.tolist()
+    return correct / n, correct_norm / n, n
 
 
 # -----------------------------------------------------------------------------

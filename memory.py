@@ -25,7 +25,7 @@ from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
 from model import GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
-from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
+from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig, micro_steps
 
 GiB = 2**30
 
@@ -187,10 +187,10 @@ def described(memory_bytes, device):
     return f"{size(memory_bytes)} {'free' if str(device).startswith('cuda') else 'available'}"
 
 
-def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, model=None, scale=None):
-    """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, for model (default: cfg.model)
-    with scale (default: cfg.scale)."""
-    return plan(model or cfg.model, micro_batch, cfg.batch.seq_len, scale or cfg.scale, world_size, dtype_bytes,
+def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, gpt_config=None, scale=None):
+    """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, for a GPT of gpt_config
+    (default: cfg.model) with scale (default: cfg.scale)."""
+    return plan(gpt_config or cfg.model, micro_batch, cfg.batch.seq_len, scale or cfg.scale, world_size, dtype_bytes,
                 cfg.optimizer.name, compiled)
 
 
@@ -198,31 +198,31 @@ def fits(estimate, memory_bytes, device="cuda"):
     return estimate.total <= headroom(device) * memory_bytes
 
 
-def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None, device="cuda"):
+def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_config=None, device="cuda"):
     """-B auto on memory_bytes of device: the largest of BatchConfig.auto_micro_batches whose plan
     fits in headroom(device) of it, and that plan; (None, None) when none does."""
     for batch in cfg.batch.auto_micro_batches(world_size):
-        estimate = run_plan(cfg, batch, world_size, dtype_bytes, compiled, model)
+        estimate = run_plan(cfg, batch, world_size, dtype_bytes, compiled, gpt_config)
         if fits(estimate, memory_bytes, device):
             return batch, estimate
     return None, None
 
 
-def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=None, device="cuda"):
+def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_config=None, device="cuda"):
     """One line: what the run of cfg plans at one sequence against memory_bytes of device (free on a
     GPU, available on a host), and what would fit: the plan of --recompute full, or on GPUs of --fsdp
     1 with it over enough of them; or that nothing does. Where the plan fits (the step ran out of
     memory all the same), it says so, naming --recompute full only if that plans a tenth less."""
-    model, gpu = model or cfg.model, str(device).startswith("cuda")
+    gpt_config, gpu = gpt_config or cfg.model, str(device).startswith("cuda")
 
     def need(scale, ranks):
-        return run_plan(cfg, 1, ranks, dtype_bytes, compiled, model, scale)
+        return run_plan(cfg, 1, ranks, dtype_bytes, compiled, gpt_config, scale)
 
     def fit(scale, ranks=world_size):
         return fits(need(scale, ranks), memory_bytes, device)
     recompute = replace(cfg.scale, recompute="full")
     now, recomputed = need(cfg.scale, world_size).total, need(recompute, world_size).total
-    line = (f"a GPT of {n_params(model):,} parameters plans {size(now)} per {'GPU' if gpu else 'process'} at "
+    line = (f"a GPT of {n_params(gpt_config):,} parameters plans {size(now)} per {'GPU' if gpu else 'process'} at "
             f"micro-batch 1, {'within' if fit(cfg.scale) else 'over'} {headroom(device):.0%} of "
             f"{described(memory_bytes, device)}")
     if fit(cfg.scale):  # out of memory all the same: what took the memory is not in the plan
@@ -244,20 +244,20 @@ def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, model=Non
 def out_of_memory_advice(cfg, world_size, trainable):
     """unfit_advice for the run of cfg, whose step on trainable (train_gpt2's Trainable) ran out of
     memory at one sequence: against the device's memory as -B auto reads it, else its total."""
-    device, model = trainable.device, trainable.raw_model.config
-    return unfit_advice(cfg, world_size, free_memory(device, model) or device_memory(device),
-                        trainable.config.dtype.itemsize, trainable.config.compile_mode is not None, model, device)
+    device, gpt_config, step_config = trainable.device, trainable.raw_model.config, trainable.step_config
+    return unfit_advice(cfg, world_size, free_memory(device, gpt_config) or device_memory(device),
+                        step_config.dtype.itemsize, step_config.compile_mode is not None, gpt_config, device)
 
 
-def free_memory(device, model=None):
+def free_memory(device, gpt_config=None):
     """Bytes that a training step may plan to fill on device: a CUDA device's free memory, with what
     this process holds there counted as free (the model, for a plan that counts it; the cache of a
     step that ran out of memory); on a CPU, the host's available memory, shared by the processes
-    torchrun started on it, with the float32 weights of model (a GPTConfig, built already) counted
+    torchrun started on it, with the float32 weights of a GPT of gpt_config (built already) counted
     as free. None where it cannot be read: MPS, a failing driver, a host that does not say."""
     if str(device) == "cpu":
         available = available_memory()
-        held = 4 * n_params(model) if model else 0
+        held = 4 * n_params(gpt_config) if gpt_config else 0
         return None if available is None else available // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) + held
     if not str(device).startswith("cuda"):
         return None
@@ -267,14 +267,14 @@ def free_memory(device, model=None):
         return None
 
 
-def resolve_micro_batch(cfg, model, device, world_size, dtype, compiled, log):
-    """cfg with -B auto settled for a GPT of model on device, the same on every rank (the smallest
-    any rank picked), and a line saying so; cfg itself under -B N. RunError on every rank where the
-    model does not fit at one sequence."""
+def resolve_micro_batch(cfg, gpt_config, device, world_size, dtype, compiled, log):
+    """The micro-batch the run of cfg takes on device: -B N's N, or -B auto's pick for a GPT of
+    gpt_config, the same on every rank (the smallest any rank picked), with a line saying so.
+    RunError on every rank where the model does not fit at one sequence."""
     batch = cfg.batch
     if batch.micro_batch_size != "auto":
-        return cfg
-    free = free_memory(device, model)
+        return batch.micro_batch_size
+    free = free_memory(device, gpt_config)
     ceiling = batch.auto_micro_batches(world_size)[0]
     error = None
     if free is None:
@@ -283,17 +283,17 @@ def resolve_micro_batch(cfg, model, device, world_size, dtype, compiled, log):
                                    "the host's available memory cannot be read" if device == "cpu" else
                                    f"{device.split(':')[0]} memory is not planned"))
     else:
-        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, model, device)
+        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, gpt_config, device)
         if picked is None:
-            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, model, device)}"
+            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, gpt_config, device)}"
     agree(error)
     picked = min(every_rank(picked))
     if free is not None:
-        estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, model)
+        estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, gpt_config)
         why = f"plan {size(estimate.total)} of {described(free, device)}"
-    cfg = replace(cfg, batch=replace(batch, micro_batch_size=picked))
-    log(f"micro-batch auto: {picked} ({why}), {cfg.batch.grad_accum_steps(world_size)} micro-steps per step")
-    return cfg
+    log(f"micro-batch auto: {picked} ({why}), {micro_steps(batch.total_batch_size, picked, batch.seq_len, world_size)} "
+        f"micro-steps per step")
+    return picked
 
 
 def print_plan(cfg):
@@ -332,7 +332,7 @@ def print_plan(cfg):
                 advice = unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)
                 raise ValueError(f"-B auto: {advice}")
             choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}, "
-                      f"{batch.total_batch_size // (micro_batch * batch.seq_len * world_size)} micro-steps per step")
+                      f"{micro_steps(batch.total_batch_size, micro_batch, batch.seq_len, world_size)} micro-steps per step")
         estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)
     except ValueError as e:
         sys.exit(f"error: {e}")

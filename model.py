@@ -9,7 +9,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import generate
@@ -54,6 +54,8 @@ PRETRAINED = {
 # What a block recomputes in the backward pass instead of keeping its activations (PaddleFleetX's
 # granularities): nothing, the whole block, the attention sublayer (ln_1 to c_proj), or only SDPA.
 RECOMPUTE = ("none", "full", "attn", "core_attn")
+# --attention: the SDPA backends every layer may use (None: torch's choice, flash attention on recent GPUs).
+ATTENTION_KERNELS = {"auto": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
 
 # Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

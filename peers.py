@@ -258,13 +258,16 @@ def cudnn_wheel(scratch):
     return include, link, os.path.dirname(versioned)
 
 
-def llmc_run_command(binary, train_pattern, val_pattern, B, T, total_batch_size, steps, warmup, zero):
-    """train_gpt2cu on a fresh GPT-2 (124M), no recompute, ZeRO stage zero (0 or 1), no evaluation
-    but at the first and last step (which the timing leaves out), no sampling, HellaSwag or
-    checkpoints; the recipe's lr, 6e-4 warmed up over warmup steps and decayed to 10%."""
-    return [binary, "-i", train_pattern, "-j", val_pattern, "-e", "d12", "-b", str(B), "-t", str(T),
-            "-d", str(total_batch_size), "-x", str(steps), "-r", "0", "-z", str(zero), "-v", str(10 * steps + 1),
-            "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006", "-u", str(warmup), "-c", "0.1", "-q", "0.1"]
+def llmc_run_command(binary, patterns, config, zero):
+    """train_gpt2cu on a fresh GPT-2 (124M), its sizes and steps config's (a PeersConfig), on the
+    token files of patterns (train, val), no recompute, ZeRO stage zero (0 or 1), no evaluation but
+    at the first and last step (which the timing leaves out), no sampling, HellaSwag or
+    checkpoints; the recipe's lr, 6e-4 warmed up over config.warmup steps and decayed to 10%."""
+    steps = config.run_steps
+    return [binary, "-i", patterns[0], "-j", patterns[1], "-e", "d12", "-b", str(config.micro_batch_size),
+            "-t", str(config.seq_len), "-d", str(config.total_batch_size), "-x", str(steps), "-r", "0", "-z", str(zero),
+            "-v", str(10 * steps + 1), "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006", "-u", str(config.warmup),
+            "-c", "0.1", "-q", "0.1"]
 
 
 def project_command(data_dir, log_dir, B, T, total_batch_size, steps, warmup):
@@ -486,7 +489,7 @@ def bench_peers(config, workdir, record, judge):
     workdir = os.path.abspath(workdir)  # the programs run in scratch copies inside it
     data_dir = os.path.join(workdir, "peers-data")
     write_tokens(data_dir, config)
-    train_pattern, val_pattern = llmc_token_files(data_dir, os.path.join(workdir, "peers-llmc-data"))
+    patterns = llmc_token_files(data_dir, os.path.join(workdir, "peers-llmc-data"))
     builds = start_llmc_builds(config, workdir)
     runs = PeerRuns(config, workdir, record, judge)
     B, T, total, steps, warmup = (config.micro_batch_size, config.seq_len, config.total_batch_size, config.run_steps,
@@ -510,7 +513,7 @@ def bench_peers(config, workdir, record, judge):
                 continue
             cudnn = None if build == "llm.c" else dict(cudnn=loaded_cudnn(os.path.join(scratch, "train_gpt2cu")))
             for variant, zero in llmc_runs(build):
-                command = llmc_run_command("./train_gpt2cu", train_pattern, val_pattern, B, T, total, steps, warmup, zero)
+                command = llmc_run_command("./train_gpt2cu", patterns, config, zero)
                 runs.measure(variant, "llm.c", command, scratch, cudnn)
     finally:  # a run cut short leaves no build behind
         for _, make, _ in builds.values():

@@ -6,12 +6,13 @@ after), the root another: it keeps the tied token embedding and head together. A
 large to build whole on every rank is built on the meta device, sharded, then materialized one
 parameter at a time, with exactly the initial weights GPT(config) draws in one process.
 """
+import math
 import warnings
 from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 import devices
@@ -110,3 +111,15 @@ def root_gathered(model):
         yield
     finally:
         model.reshard()
+
+
+def clip_grad_norm(params, max_norm):
+    """Clips the gradients to max_norm (0: no clipping) and returns their norm before clipping, that
+    of the whole gradient: under FSDP each rank holds slices, and the norm is over all of them."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, norm, foreach=True)
+    return norm

@@ -9,11 +9,12 @@ setting(default, help), and check it in __post_init__: the flag, --help, config 
 checkpoint's record of the run (flags()) and from_flags follow."""
 import argparse
 import math
+import os
 import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import Retired, preset_names
+from cli import Parser, Retired, preset_names, preset_path
 from faults import fault_problem, parse_fault
 from inputs import brief
 from loss import LOSSES
@@ -23,6 +24,8 @@ from settings import check_not_negative, check_positive, setting
 from tokenizer import PADDED_VOCAB
 
 PRESETS = preset_names()
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
 AUTO_MAX_MICRO_BATCH = 64  # -B auto's ceiling: the 124M recipe's micro-batch (past it a GPU gains little)
 
 
@@ -60,13 +63,33 @@ class BatchConfig:
         return [] if rest else [2**k for k in reversed(range(AUTO_MAX_MICRO_BATCH.bit_length()))
                                 if 2**k <= AUTO_MAX_MICRO_BATCH and sequences % 2**k == 0]
 
-    def tokens_per_pass(self, world_size):
-        """Tokens of one micro-step: a micro-batch on every rank."""
-        return self.micro_batch_size * self.seq_len * world_size
 
-    def grad_accum_steps(self, world_size):
-        """Micro-steps per optimizer step."""
-        return self.total_batch_size // self.tokens_per_pass(world_size)
+def micro_steps(tokens_per_step, micro_batch, seq_len, world_size=1):
+    """Micro-steps (forward-backward passes) in an optimizer step of tokens_per_step tokens, each of
+    world_size ranks taking micro_batch sequences of seq_len a micro-step: the gradient accumulation."""
+    return tokens_per_step // (micro_batch * seq_len * world_size)
+
+
+def split_problem(tokens_per_step, micro_batch, seq_len, world_size=1):
+    """Why tokens_per_step tokens cannot be cut into micro-steps of micro_batch sequences (auto: any
+    number) of seq_len on each of world_size ranks, or None; the message suggests a total that can."""
+    auto = micro_batch == "auto"
+    tokens_per_pass = seq_len * world_size * (1 if auto else micro_batch)
+    if tokens_per_step % tokens_per_pass == 0:
+        return None
+    # Rounded as a fraction, not a float: a float overflows at absurd sizes.
+    suggestion = max(1, round(Fraction(tokens_per_step, tokens_per_pass))) * tokens_per_pass
+    if auto:
+        return (f"-B auto: --total_batch_size {tokens_per_step} is not a multiple of T*world_size = "
+                f"{seq_len}*{world_size} = {tokens_per_pass}, so no micro-batch divides it; "
+                f"try --total_batch_size {suggestion}")
+    return (f"--total_batch_size {tokens_per_step} is not a multiple of B*T*world_size = "
+            f"{micro_batch}*{seq_len}*{world_size} = {tokens_per_pass}; try --total_batch_size {suggestion} or another -B")
+
+
+def seq_len_problem(seq_len, block_size, whose="--block_size"):
+    """Why sequences of seq_len tokens cannot run through a model of block_size positions, or None."""
+    return f"--seq_len {seq_len} is longer than {whose} {block_size}" if seq_len > block_size else None
 
 
 @dataclass(frozen=True)
@@ -217,8 +240,8 @@ class TrainConfig:
             raise ValueError("--gpu_memory plans for a GPU this run does not take: it needs --plan")
         if not self.schedule.max_steps and not self.eval.eval_interval:
             raise ValueError("--max_steps 0 only evaluates: it needs --eval_interval above 0")
-        if self.batch.seq_len > self.model.block_size:
-            raise ValueError(f"--seq_len {self.batch.seq_len} is longer than --block_size {self.model.block_size}")
+        if problem := seq_len_problem(self.batch.seq_len, self.model.block_size):
+            raise ValueError(problem)
         if self.checkpoints.async_checkpoint and not self.scale.fsdp:
             raise ValueError("--async_checkpoint writes sharded checkpoints: it needs --fsdp 1")
         if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps)):
@@ -227,22 +250,9 @@ class TrainConfig:
     def world_size_problem(self, world_size):
         """Why this run cannot split its batch over world_size ranks, or inject a --fault on a rank
         it names, or None."""
-        if problem := fault_problem(self.runtime.fault, range(self.schedule.max_steps), world_size):
-            return problem
         batch = self.batch
-        auto = batch.micro_batch_size == "auto"
-        tokens_per_pass = batch.seq_len * world_size if auto else batch.tokens_per_pass(world_size)
-        if batch.total_batch_size % tokens_per_pass == 0:
-            return None
-        # Rounded as a fraction, not a float: a float overflows at absurd sizes.
-        suggestion = max(1, round(Fraction(batch.total_batch_size, tokens_per_pass))) * tokens_per_pass
-        if auto:
-            return (f"-B auto: --total_batch_size {batch.total_batch_size} is not a multiple of T*world_size = "
-                    f"{batch.seq_len}*{world_size} = {tokens_per_pass}, so no micro-batch divides it; "
-                    f"try --total_batch_size {suggestion}")
-        return (f"--total_batch_size {batch.total_batch_size} is not a multiple of B*T*world_size = "
-                f"{batch.micro_batch_size}*{batch.seq_len}*{world_size} = {tokens_per_pass}; "
-                f"try --total_batch_size {suggestion} or another -B")
+        return (fault_problem(self.runtime.fault, range(self.schedule.max_steps), world_size)
+                or split_problem(batch.total_batch_size, batch.micro_batch_size, batch.seq_len, world_size))
 
     @classmethod
     def from_flags(cls, values):
@@ -257,6 +267,33 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- the command line
+
+def build_parser(add_help=True, description=None):
+    """The trainer's flags: one per setting of TrainConfig; description, --help's text."""
+    parser = Parser(description=description, add_help=add_help)
+    add_flags(parser)
+    return parser
+
+
+def parse_args(argv=None, description=None):
+    """The run's TrainConfig: TrainConfig()'s defaults, under the preset's values, under --config's,
+    under the flags (argv, default the command line's); description: --help's text."""
+    # A preset's and a config's values become defaults, so flags given on the command line still
+    # win, and --help shows them. They are named first, to a parser that leaves --help for later.
+    named = build_parser(add_help=False).parse_known_args(argv)[0]
+    parser = build_parser(description=description)
+    preset = parser.config_defaults(preset_path(named.preset), not_keys=("preset", "config"))
+    for key in REPOSITORY_PATHS:
+        if key in preset:
+            preset[key] = os.path.join(HERE, preset[key])
+    parser.set_defaults(**preset)
+    if named.config is not None:
+        parser.set_defaults(**parser.config_defaults(named.config, not_keys=("preset", "config")))
+    try:
+        return TrainConfig.from_flags(vars(parser.parse_args(argv)))
+    except ValueError as e:  # a part's own check
+        parser.error(str(e))
+
 
 def flag_name(f):
     return f.metadata.get("flag", f.name)

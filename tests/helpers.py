@@ -233,7 +233,7 @@ real_build = train_gpt2.build_trainable
 
 def build_trainable(*args, **kwargs):
     t = real_build(*args, **kwargs)
-    print(f"the step runs through {{type(t.model).__name__}} of {{type(getattr(t.model, '_orig_mod', None)).__name__}}")
+    print(f"the step runs through {{type(t.step_model).__name__}} of {{type(getattr(t.step_model, '_orig_mod', None)).__name__}}")
     return t
 train_gpt2.build_trainable = build_trainable
 train_gpt2.main()

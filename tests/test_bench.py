@@ -14,7 +14,7 @@ import torch
 import bench
 import memory
 from helpers import disk_full, exit_message, file_size_limit, run_script
-from model import GPTConfig
+from model import ATTENTION_KERNELS, GPTConfig
 
 FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
@@ -49,10 +49,8 @@ def test_quick_bench_writes_every_part_and_variant(tmp_path):
 
 def attention_of(model):
     """The --attention flag whose SDPA backends model was built with."""
-    import train_gpt2
-
     kernels = model.transformer.h[0].attn.kernels
-    return next(name for name, allowed in train_gpt2.ATTENTION_KERNELS.items() if allowed == kernels)
+    return next(name for name, allowed in ATTENTION_KERNELS.items() if allowed == kernels)
 
 
 @pytest.mark.slow
@@ -156,9 +154,9 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
              (["--warmup", "-1"], "--warmup must be 0 or more"),
              (["--levers", "recompute_full,foo"], "unknown lever(s) foo"),
              (["--levers", "max_autotune", "--device", "cpu"], "--levers: max_autotune: not a lever of the project on cpu"),
-             (["--total_batch_size", "100"], "--total_batch_size 100 is not a multiple of B*T = 2*64 = 128; "
+             (["--total_batch_size", "100"], "--total_batch_size 100 is not a multiple of B*T*world_size = 2*64*1 = 128; "
                                              "try --total_batch_size 128 or another -B"),
-             (["-B", "2,3", "--total_batch_size", "256"], "not a multiple of B*T = 3*64 = 192"),
+             (["-B", "2,3", "--total_batch_size", "256"], "not a multiple of B*T*world_size = 3*64*1 = 192"),
              (["--profile", "--parts", "matmul"], "--profile profiles train's step: --parts must include train")]
     (tmp_path / "file").write_text("")
     for flags, message in cases:
@@ -217,16 +215,16 @@ def test_coordinate_descent_tuning_is_on_for_its_run_only(tmp_path, monkeypatch)
 
     seen = []
 
-    def step(t, loader, lr):
+    def step(t, loader, lr, **kwargs):
         seen.append(inductor.coordinate_descent_tuning)
         raise RuntimeError("a lever that breaks")
-    monkeypatch.setattr(bench, "train_step", step)
-    cfg = bench.train_config(bench.parse_args(["--quick", "--device", "cpu"]), "cpu")
+    monkeypatch.setattr(bench, "train_step_fitting", step)
+    cfg = bench.train_sizes(bench.parse_args(["--quick", "--device", "cpu"]), "cpu")
     shard = str(tmp_path / "shard.npy")
     bench.write_shard(shard, np.zeros(4096, dtype=np.uint16))
     for lever in ("+coordinate_descent", None):
         levers = bench.train_levers("project", lever, compile_model=False)
-        assert "error" in bench.time_train_steps(cfg, 2, 2 * cfg["seq_len"], levers, shard, "cpu", torch.float32)
+        assert "error" in bench.time_train_run(cfg, 2, levers, False, shard, "cpu", torch.float32)
     assert seen == [True, False] and inductor.coordinate_descent_tuning is False
 
 
@@ -241,17 +239,18 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
 @pytest.mark.slow
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
     """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
-    train_gpt2.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
+    trainable.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
     too large for the device, halves it and accumulates twice as often: the same tokens per step
-    (--quick's default: two micro-batches of -B)."""
+    (--quick's default: two micro-batches of -B), halved as the trainer halves it (train_step_fitting)."""
     import train_gpt2
+    from trainable import build_trainable
 
     built, stepped, flash = [], [], []
 
     def build(model, *args, **kwargs):
         built.append(((model, *args), dict(kwargs, attention=attention_of(model),
                                            recompute=model.transformer.h[0].recompute)))
-        return train_gpt2.build_trainable(model, *args, **kwargs)
+        return build_trainable(model, *args, **kwargs)
     monkeypatch.setattr(bench, "build_trainable", build)
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -260,12 +259,14 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
         return real_sdpa(*args, **kwargs)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
-    def step(t, loader, lr):
-        stepped.append((t.config.tokens_per_step // (loader.B * loader.T), loader.B))
-        if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:  # the baseline does not fit
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return train_gpt2.train_step(t, loader, lr)
-    monkeypatch.setattr(bench, "train_step", step)
+    real_step = train_gpt2.train_step
+
+    def step(t, loader, lr, stop_requested=train_gpt2.no_stop):
+        stepped.append((t.step_config.tokens_per_step // (loader.B * loader.T), loader.B))
+        if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:
+            raise train_gpt2.StepOutOfMemory  # the baseline does not fit: as the step says on a device too small
+        return real_step(t, loader, lr, stop_requested)
+    monkeypatch.setattr(train_gpt2, "train_step", step)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
     batch = [r["config"].split(" float32")[0].split(" ", 2)[2] for r in results]
@@ -279,7 +280,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     levers = [(kw["attention"], step.optimizer.fused_adamw, step.compile_mode, model.config.vocab_size,
                step.scale.loss, kw["recompute"]) for (model, _, step), kw in built]
     project, baseline = ("auto", None, None, 50304, "auto", "none"), ("math", False, None, 50257, "masked", "none")
-    assert levers == [project, baseline, baseline, baseline, ("auto", None, None, 50257, "auto", "none"),
+    assert levers == [project, baseline, ("auto", None, None, 50257, "auto", "none"),
                       ("math", None, None, 50304, "auto", "none"), ("auto", None, None, 50304, "chunked", "none"),
                       *[("auto", None, None, 50304, "auto", mode) for mode in ("full", "attn", "core_attn")]]
     assert {(accum, B) for accum, B in stepped} == {(2, 8), (4, 4), (8, 2)}
@@ -314,10 +315,10 @@ def test_train_times_the_trainers_step_with_its_gradient_accumulation(tmp_path, 
 
 
 def test_the_gpu_size_steps_the_trainers_default_total_batch():
-    import train_gpt2
+    import train_config
 
-    cfg = bench.train_config(bench.parse_args(["--device", "cpu", "--parts", "matmul"]), "cuda")
-    assert cfg["total_batch_size"] == train_gpt2.build_parser().get_default("total_batch_size")
+    cfg = bench.train_sizes(bench.parse_args(["--device", "cpu", "--parts", "matmul"]), "cuda")
+    assert cfg["total_batch_size"] == train_config.build_parser().get_default("total_batch_size")
     assert bench.total_batch(cfg, 64) // (64 * cfg["seq_len"]) == 8  # 524288 / (64*1024)
 
 

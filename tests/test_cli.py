@@ -26,7 +26,7 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
     cfg = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
     assert (cfg.model.n_layer, cfg.optimizer.max_lr, cfg.runtime.device, cfg.plan, cfg.log_dir) == (3, 1.0, "cpu", True, "y")
     assert isinstance(cfg.optimizer.max_lr, float)
-    assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(train_gpt2.HERE, "data", "shakespeare")  # the preset's
+    assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(train_config.HERE, "data", "shakespeare")  # the preset's
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -48,7 +48,7 @@ def test_every_preset_is_a_valid_config():
 def test_the_typed_config_holds_every_flag_and_gives_each_back():
     """TrainConfig has a field for every flag of the trainer, each value the one parsed: a flag
     added to the parser but not to the config (or the other way round) fails here."""
-    dests = [a.dest for a in train_gpt2.build_parser()._actions
+    dests = [a.dest for a in train_config.build_parser()._actions
              if a.option_strings and a.dest != "help" and not isinstance(a, cli.Retired)]
     argv = ["--n_layer", "3", "-B", "5", "--max_lr", "0.5", "--muon_lr", "0.25", "--val_steps", "7", "--keep_last", "2",
             "--recompute", "attn", "--attention", "math", "--fault", "nan@3:1", "--hellaswag_path", "h.jsonl"]

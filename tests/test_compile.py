@@ -7,9 +7,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import train_gpt2
-from helpers import write_token_shards
 from data import ShardLoader, list_shards
+from helpers import write_token_shards
 from model import GPT, GPTConfig
+from trainable import StepConfig, build_trainable
 
 
 @pytest.mark.slow
@@ -23,8 +24,8 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
     losses = {}
     for compiled in (False, True):
         torch.manual_seed(0)
-        step = train_gpt2.StepConfig(torch.float32, tokens_per_step=2 * 4 * 32, compile_mode="default" if compiled else None)
-        t = train_gpt2.build_trainable(GPT(config), "cpu", step)
+        step = StepConfig(torch.float32, tokens_per_step=2 * 4 * 32, compile_mode="default" if compiled else None)
+        t = build_trainable(GPT(config), "cpu", step)
         train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
         val = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False)
         losses[compiled] = [train_gpt2.train_step(t, train, 1e-3).loss,
@@ -45,13 +46,13 @@ def test_a_compiled_model_with_dropout_trains_and_evaluates_as_eager(tmp_path, m
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    t = train_gpt2.build_trainable(GPT(config), "cpu", train_gpt2.StepConfig(torch.float32, 4 * 32, compile_mode="default"))
+    t = build_trainable(GPT(config), "cpu", StepConfig(torch.float32, 4 * 32, compile_mode="default"))
     x, y = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False).next_batch()
-    assert not torch.equal(t.model(x, y)[1], t.model(x, y)[1])  # two masks
-    t.model.eval()
+    assert not torch.equal(t.step_model(x, y)[1], t.step_model(x, y)[1])  # two masks
+    t.step_model.eval()
     with torch.no_grad():
-        assert torch.equal(t.model(x, y)[1], t.raw_model(x, y)[1])
-    t.model.train()
+        assert torch.equal(t.step_model(x, y)[1], t.raw_model(x, y)[1])
+    t.step_model.train()
     train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
     losses = [train_gpt2.train_step(t, train, 3e-3).loss for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5

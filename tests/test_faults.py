@@ -626,14 +626,16 @@ def halved_micro_batch(shards, tmp_path_factory):
 def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, capsys, halved_micro_batch):
     """-B auto (8 on a CPU: the step's 8 sequences) meets an out-of-memory error at step 2: the step
     runs again at 4 with twice the micro-steps, and the run trains every step with -B 4's losses.
-    Its checkpoint records the micro-batch it ended at, and a resume at another one says so."""
+    Its checkpoint's loader state records the micro-batch it ended at (its flags, what was asked:
+    auto), and a resume at another one says so."""
     records = train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--fault", "oom@2")
     out = capsys.readouterr().out
     assert "micro-batch auto: 8 (" in out and ", 1 micro-steps per step" in out
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
-    assert checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt")["args"]["micro_batch_size"] == 4
+    saved = checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt")
+    assert saved["train_loader"]["tokens_per_index"] == 4 * 32 and saved["args"]["micro_batch_size"] == "auto"
     train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--max_steps", "5")
     assert "note: micro-batch 8, where the checkpoint's run took 4" in capsys.readouterr().out
 

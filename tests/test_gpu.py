@@ -12,6 +12,7 @@ from loss import LOSSES
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import ScaleConfig
+from trainable import StepConfig, build_trainable
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)
@@ -52,9 +53,9 @@ class FixedBatches:
 def losses_of(compile_mode, loss="masked", steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    step = train_gpt2.StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(loss=loss),
+    step = StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(loss=loss),
                                  compile_mode=compile_mode)
-    t = train_gpt2.build_trainable(model, "cuda", step)
+    t = build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
     return [train_gpt2.train_step(t, loader, 1e-3) for _ in range(steps)]
 

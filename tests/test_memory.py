@@ -294,10 +294,9 @@ def test_auto_on_a_cpu_fits_the_hosts_available_memory_or_says_it_cannot_read_it
     for available, processes in ((64 * memory.GiB, 1), (9 * memory.GiB, 1), (18 * memory.GiB, 2), (None, 1)):
         monkeypatch.setattr(memory, "available_memory", lambda: available)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-        resolved = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
+        picked = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
         if available is not None:
             budget = available // processes + weights
-            picked = resolved.batch.micro_batch_size
             estimate = memory.run_plan(cfg, picked, 1, 4, False)  # float32, eager
             assert memory.fits(estimate, budget, "cpu")
             assert picked == 8 or not memory.fits(memory.run_plan(cfg, 2 * picked, 1, 4, False), budget, "cpu")
@@ -307,7 +306,7 @@ def test_auto_on_a_cpu_fits_the_hosts_available_memory_or_says_it_cannot_read_it
     assert logged[-1] == ("micro-batch auto: 8 (the largest up to 64 that divides the step: the host's available "
                           "memory cannot be read), 3 micro-steps per step")
     assert memory.resolve_micro_batch(train_gpt2.parse_args(["-B", "5"]), cfg.model, "cpu", 1, torch.float32, False,
-                                      logged.append).batch.micro_batch_size == 5
+                                      logged.append) == 5
 
 
 def test_unfit_advice_names_what_would_fit_or_that_nothing_does():
@@ -340,7 +339,9 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
     train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
-    assert load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))["args"]["micro_batch_size"] == 16
+    saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))
+    assert saved["train_loader"]["tokens_per_index"] == 16 * 32  # the loader records the micro-batch it took
+    assert saved["args"]["micro_batch_size"] == "auto"  # the flags, what was asked
     monkeypatch.setattr(memory, "available_memory", lambda: weights)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "none", "--total_batch_size", "2048")
     assert message.startswith(f"error: -B auto: a GPT of {memory.n_params(cfg.model):,} parameters plans ")
@@ -362,8 +363,8 @@ def test_auto_on_a_gpu_fits_its_free_memory_or_says_it_cannot_read_it(monkeypatc
     cfg, logged = on_a_gpu(train_gpt2.parse_args([])), []
     for free in (24 * memory.GiB, None):
         monkeypatch.setattr(memory, "free_memory", lambda device, model=None: free)
-        resolved = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)
-        assert resolved.batch.micro_batch_size == (32 if free else 64)
+        picked = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)
+        assert picked == (32 if free else 64)
     expected = memory.run_plan(cfg, 32, 1, 2, True).total / memory.GiB
     assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} GiB of 24.0 GiB free), 16 micro-steps per step",
                       "micro-batch auto: 64 (the largest up to 64 that divides the step: the GPU's free memory cannot "

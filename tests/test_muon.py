@@ -14,11 +14,12 @@ import checkpoint
 import memory
 import optimizers
 import train_gpt2
-from helpers import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
-                      read_log, run_torchrun, train, train_records)
 from data import ShardLoader, list_shards
 from faults import Faults
+from helpers import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
+                     read_log, run_torchrun, train, train_records)
 from model import GPT, GPTConfig
+from trainable import StepConfig, build_trainable
 
 STEPS = ["--total_batch_size", "256", "-B", "8"]
 MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]
@@ -42,8 +43,8 @@ def trainable(model, optimizer="adamw", scaler=None, grad_clip=0.0, **kw):
     """build_trainable's Trainable of model (float32, CPU, one micro-step, peak lr 3e-3), with scaler
     in place of its GradScaler when given."""
     config = optimizers.OptimizerConfig(optimizer, 3e-3, 0.1, grad_clip=grad_clip, **kw)
-    step = train_gpt2.StepConfig(torch.float32, 4 * 32, config)  # batch()'s
-    t = train_gpt2.build_trainable(model, "cpu", step)
+    step = StepConfig(torch.float32, 4 * 32, config)  # batch()'s
+    t = build_trainable(model, "cpu", step)
     if scaler is not None:
         t.scaler = scaler
     return t

@@ -182,8 +182,11 @@ def test_llmc_fails_where_it_would_fall_back_to_managed_memory(llmc, tmp_path):
 
 
 def test_llmc_commands(tmp_path):
-    run = peers.llmc_run_command("./train_gpt2cu", "d/*_train_*.bin", "d/*_val_*.bin", 64, 1024, 524288, 26, 5, 0)
+    config = peers.PeersConfig("", "", micro_batch_size=64, seq_len=1024, total_batch_size=524288, steps=20, warmup=5,
+                               gpu_arch="90", timeout=60)
+    run = peers.llmc_run_command("./train_gpt2cu", ("d/*_train_*.bin", "d/*_val_*.bin"), config, 0)
     flags = dict(zip(run[1::2], run[2::2]))
+    assert (flags["-i"], flags["-j"]) == ("d/*_train_*.bin", "d/*_val_*.bin")
     assert (flags["-b"], flags["-t"], flags["-d"], flags["-x"], flags["-r"], flags["-e"], flags["-z"]) == (
         "64", "1024", "524288", "26", "0", "d12", "0")
     assert (flags["-l"], flags["-u"], flags["-q"]) == ("0.0006", "5", "0.1")  # the project's lr, warmup and floor

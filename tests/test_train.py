@@ -12,19 +12,20 @@ import pytest
 import torch
 
 import checkpoint
-import loading
 import devices
 import distributed
 import hellaswag
+import loading
+import train_config
 import train_gpt2
 from checkpoint import load_checkpoint
-from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
-                      final_weights, listdir, make_tiny_gpt, one_line_error, read_log, run_cli,
-                      run_script, run_torchrun, save_as_checkpoint, train, train_records, write_jsonl,
-                      write_token_shards)
 from data import ShardLoader, list_shards, write_shard
+from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
+                     final_weights, listdir, make_tiny_gpt, one_line_error, read_log, run_cli, run_script, run_torchrun,
+                     save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
 from model import GPT, GPTConfig
 from optimizers import OptimizerConfig, build_optimizer
+from trainable import StepConfig, Trainable, build_trainable
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
@@ -35,7 +36,7 @@ def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
     help_text = " ".join(out.split())
     assert "--log_dir LOG_DIR log.jsonl and checkpoints go here (default: log_demo)" in help_text
     assert "(default: None)" not in help_text and help_text.count("(default: max_steps)") == 1
-    flags = [a for a in train_gpt2.build_parser()._actions if a.option_strings and a.dest != "help"]
+    flags = [a for a in train_config.build_parser()._actions if a.option_strings and a.dest != "help"]
     assert [a.dest for a in flags if not a.help] == []
 
 
@@ -210,12 +211,12 @@ def test_hellaswag_that_is_missing_or_cannot_be_downloaded_names_the_trainers_fl
     import hellaswag
     notes = []
     cfg = train_gpt2.parse_args(["--hellaswag_path", str(tmp_path / "absent.jsonl")])
-    assert train_gpt2.load_hellaswag(cfg, 0, cfg.model, notes.append) is None
+    assert hellaswag.load_for_run(cfg.eval, 0, cfg.model, notes.append) is None
     assert "skipping HellaSwag (`python hellaswag.py --download_only` fetches it to" in notes[-1]
     monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
     monkeypatch.setenv(hellaswag.URL_ENV, (tmp_path / "unreachable").as_uri())
     cfg = train_gpt2.parse_args([])
-    assert train_gpt2.load_hellaswag(cfg, 0, cfg.model, notes.append) is None
+    assert hellaswag.load_for_run(cfg.eval, 0, cfg.model, notes.append) is None
     assert "pass --hellaswag_path PATH" in notes[-1] and "--data" not in notes[-1]
     assert os.listdir(tmp_path) == []
 
@@ -271,8 +272,8 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
     try:
         raw_model = GPT(GPTConfig(**TINY_CONFIG))
         model = DDP(raw_model, gradient_as_bucket_view=True)  # as build_trainable wraps it on 2 ranks or more
-        t = train_gpt2.Trainable(model, raw_model, build_optimizer(raw_model, OptimizerConfig(max_lr=1e-3), "cpu"),
-                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 2 * 2 * 32))
+        t = Trainable(model, raw_model, build_optimizer(raw_model, OptimizerConfig(max_lr=1e-3), "cpu"),
+                                 torch.amp.GradScaler("cpu", enabled=False), "cpu", StepConfig(torch.float32, 2 * 2 * 32))
         loader = ShardLoader(list_shards(shards, "train"), 2, 32)
         where = []  # the gradient's storage after each micro-step's accumulation
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
@@ -614,8 +615,8 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
     def step(grad_clip, scaler):
         # lr 0: the weights stay, so every call sees the same gradients; clipping leaves them in p.grad.
         optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3, grad_clip=grad_clip), "cpu")
-        t = train_gpt2.Trainable(model, model, optimizer, scaler, "cpu",
-                                 train_gpt2.StepConfig(torch.float32, 2 * 32, optimizer=OptimizerConfig(grad_clip=grad_clip)))
+        t = Trainable(model, model, optimizer, scaler, "cpu",
+                                 StepConfig(torch.float32, 2 * 32, optimizer=OptimizerConfig(grad_clip=grad_clip)))
         result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -714,8 +715,8 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     model = GPT(GPTConfig(**TINY_CONFIG))
     optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
-    t = train_gpt2.Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
-                             train_gpt2.StepConfig(torch.float32, 2 * 2 * 32))
+    t = Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
+                             StepConfig(torch.float32, 2 * 2 * 32))
     train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
     assert events == [("optimizer step",), ("synchronize", "cpu")]
 
@@ -726,15 +727,15 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
     def trainable():
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY_CONFIG))
-        return train_gpt2.Trainable(model, model, build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu"),
-                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", train_gpt2.StepConfig(torch.float32, 4 * 2 * 32))
+        return Trainable(model, model, build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu"),
+                                    torch.amp.GradScaler("cpu", enabled=False), "cpu", StepConfig(torch.float32, 4 * 2 * 32))
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
     asked = iter([False, False, True])
     assert train_gpt2.train_step(dropped, loaders[0], 1e-3, lambda oom: [next(asked), oom]) is None
     assert loaders[0].state_dict() == loaders[1].state_dict()
     assert not dropped.optimizer.state and all(torch.equal(a, b) for a, b in
-                                               zip(dropped.model.parameters(), plain.model.parameters()))
+                                               zip(dropped.step_model.parameters(), plain.step_model.parameters()))
     results = [train_gpt2.train_step(t, loader, 1e-3) for t, loader in zip((dropped, plain), loaders)]
     assert results[0] == results[1]
 
@@ -848,12 +849,12 @@ def test_val_loss_hellaswag_and_samples_run_without_dropout(shards, tmp_path):
     for dropout in (0.5, 0.0):
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, dropout=dropout))
-        trainable = train_gpt2.build_trainable(model, "cpu", train_gpt2.StepConfig(torch.float32, 4 * 32))
+        trainable = build_trainable(model, "cpu", StepConfig(torch.float32, 4 * 32))
         loader = ShardLoader(list_shards(shards, "val"), 4, 32, shuffle=False)
         torch.manual_seed(dropout * 10)  # another random state: a mask drawn would differ
         results.append((train_gpt2.estimate_val_loss(trainable, loader, 2),
                         train_gpt2.hellaswag_accuracy(trainable, examples, 0, 1),
-                        train_gpt2.sample_texts(trainable, seed=1, num_samples=2, max_new_tokens=8)))
+                        train_gpt2.sample_texts(trainable, seed=1)))
         assert model.training
     assert results[0] == results[1]
 
