@@ -520,22 +520,29 @@ def tensors_in(obj):
 # ----------------------------------------------------------------------------- one file
 
 def save_checkpoint(path, state):
-    """Writes state to path through a temporary file, flushed and renamed, so a crash at any
-    moment leaves either the complete new file or none. Returns False, keeping older files,
-    when the disk lacks room."""
+    """Writes state to path (save_plain). Returns False, keeping older files, when the disk lacks
+    room or the write fails, with a warning."""
     short = room_problem(os.path.dirname(os.path.abspath(path)), state)
     if short:
         print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
         return False
+    error = save_plain(path, state)
+    if error:
+        print(f"warning: could not write checkpoint {path}: {error}; older checkpoints are kept", file=sys.stderr)
+        return False
+    return True
+
+
+def save_plain(path, state):
+    """torch.save(state) into path through a temporary file, flushed and renamed (atomic_open), so
+    a crash at any moment leaves either the complete new file or none: why it failed, or None."""
     try:
         with atomic_open(path) as f:
             torch.save(state, f)
     except (OSError, RuntimeError) as e:  # a full disk despite the check, a quota, a file-size limit, a
         # vanished mount; torch's zip writer reports the OSError as "RuntimeError: ... unexpected pos"
-        print(f"warning: could not write checkpoint {path}: {first_line(e)}; older checkpoints are kept",
-              file=sys.stderr)
-        return False
-    return True
+        return first_line(e)
+    return None
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -684,12 +691,12 @@ def save_train_state(partial, state):
         if os.path.lexists(partial):  # left by a run killed while writing it
             remove_entry(partial)
         os.makedirs(partial)
-        with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
-            torch.save(state, f)
-    except (OSError, RuntimeError) as e:  # as in save_checkpoint: a full disk, a file-size limit
+        error = save_plain(os.path.join(partial, TRAIN_STATE), state)
+    except OSError as e:
+        error = first_line(e)
+    if error:
         shutil.rmtree(partial, ignore_errors=True)
-        return first_line(e)
-    return None
+    return error
 
 
 def load_sharded(path, model, optimizer=None):
