@@ -148,11 +148,11 @@ class Checkpointer:
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
         self.log(f"resuming from {path} at step {step}")
-        saved_batch = state["args"].get("micro_batch_size") if isinstance(state.get("args"), dict) else None
+        saved_batch = recorded_flags(state).get("micro_batch_size")
         if isinstance(saved_batch, int) and saved_batch != train_loader.B:  # -B auto on another GPU, or another -B
             self.log(f"note: micro-batch {train_loader.B}, where the checkpoint's run took {saved_batch}: "
                      f"the same tokens per optimizer step, in other micro-steps")
-        changed = changed_hyperparameters(state.get("args"), flags or {})
+        changed = changed_hyperparameters(recorded_flags(state), flags or {})
         if changed:
             self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
         if resume != "auto" and step < max_steps:
@@ -178,7 +178,7 @@ def train_state(raw_model, scaler, step, train_loader, flags, rng=None):
         "train_loader": train_loader.state_dict(),
         "rng": rng or [random_state()],
         "config": asdict(raw_model.config),
-        "args": flags,
+        "flags": flags,
     }
 
 
@@ -293,6 +293,13 @@ def restoring(path, field):
         raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
+def recorded_flags(state):
+    """The flags a checkpoint records of its run (TrainConfig.flags()): its "flags", or the "args"
+    of one written before that name; {} where it records none."""
+    record = state.get("flags", state.get("args"))
+    return record if isinstance(record, dict) else {}
+
+
 def saved_optimizer_name(path, state):
     """The --optimizer a training checkpoint was saved under; adamw for one from before the flag."""
     return recorded_flag(path, state, "optimizer", "adamw", lambda name: name in OPTIMIZERS)
@@ -301,7 +308,7 @@ def saved_optimizer_name(path, state):
 def recorded_flag(path, state, name, default, valid):
     """The value of flag name that the checkpoint at path records of its run (default where it
     records none), or a CheckpointError if valid(value) is false."""
-    value = state.get("args", {}).get(name, default)
+    value = recorded_flags(state).get(name, default)
     if not valid(value):
         raise CheckpointError(f"{path}: its recorded --{name} is {brief(value)}, which that flag cannot be")
     return value
@@ -337,7 +344,7 @@ def with_run_settings(saved_groups, optimizer):
 def changed_hyperparameters(saved_flags, flags):
     """["name old -> new"] for each of HYPERPARAMETER_FLAGS whose value in flags (this run's, as
     TrainConfig.flags() gives them) differs from saved_flags, a checkpoint's record of its run's
-    ("args"); nothing for a flag the record lacks, or a checkpoint with no record."""
+    (recorded_flags); nothing for a flag the record lacks, or a checkpoint with no record."""
     if not isinstance(saved_flags, dict):
         return []
     return [f"{name} {brief(saved_flags[name])} -> {flags[name]}" for name in HYPERPARAMETER_FLAGS
@@ -584,8 +591,8 @@ def _load_plain(path, map_location, require=("model", "config")):
 # How deep a checkpoint's plain data nests: optimizer, a MuonAdamW's part, param_groups, a group, its betas.
 CHECKPOINT_DEPTH = 6
 # The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
-# flags, whose --fault is a list of dicts.
-RECORD_DEPTHS = {"config": 1, "args": 3}
+# flags ("args" in checkpoints written before that name), whose --fault is a list of dicts.
+RECORD_DEPTHS = {"config": 1, "flags": 3, "args": 3}
 
 
 def contents_problem(state):
@@ -756,6 +763,8 @@ def main(argv=None):
     except CheckpointError as e:
         parser.fail(str(e))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    if "args" in state:  # a record from before it was named "flags"
+        state["flags"] = state.pop("args")
     if not save_checkpoint(args.out, state):
         sys.exit(1)
     print(f"wrote {args.out}: step {state['step']}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")

@@ -282,9 +282,11 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
 
 
 def with_nest(ckpt, field, out):
-    """ckpt's contents (either kind) with nested_list(60) as a value of field ("config" or "args"),
-    written as the same kind at out; returns out."""
+    """ckpt's contents (either kind) with nested_list(60) as a value of field ("config", "flags", or
+    "args": the flags as checkpoints named them before), written as the same kind at out; returns out."""
     state = checkpoint.load_checkpoint(str(ckpt))
+    if field == "args":
+        state["args"] = state.pop("flags")
     state[field] = {**state[field], "n_layer": nested_list(60)}
     if os.path.isdir(ckpt):
         shutil.copytree(ckpt, out)
@@ -295,7 +297,8 @@ def with_nest(ckpt, field, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field, depth, kinds", [("config", 1, ("one-file", "sharded")), ("args", 3, ("sharded",))])
+@pytest.mark.parametrize("field, depth, kinds", [("config", 1, ("one-file", "sharded")), ("flags", 3, ("sharded",)),
+                                                 ("args", 3, ("sharded",))])
 def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_resume(copy, shards, tmp_path, field,
                                                                                   depth, kinds):
     """A value of the model config or the recorded flags that pickles in a few hundred bytes and

@@ -633,7 +633,7 @@ def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, 
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
-    assert checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt")["args"]["micro_batch_size"] == 4
+    assert checkpoint.recorded_flags(checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt"))["micro_batch_size"] == 4
     train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--max_steps", "5")
     assert "note: micro-batch 8, where the checkpoint's run took 4" in capsys.readouterr().out
 

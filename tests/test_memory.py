@@ -14,7 +14,7 @@ import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, recorded_flags
 from helpers import REPO, TINY, error_of, exit_message, interpreted, needs_triton, run_script, train
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import N_VOCAB
@@ -340,7 +340,7 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
     train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
-    assert load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))["args"]["micro_batch_size"] == 16
+    assert recorded_flags(load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt")))["micro_batch_size"] == 16
     monkeypatch.setattr(memory, "available_memory", lambda: weights)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "none", "--total_batch_size", "2048")
     assert message.startswith(f"error: -B auto: a GPT of {memory.n_params(cfg.model):,} parameters plans ")

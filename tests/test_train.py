@@ -457,7 +457,7 @@ def test_a_resume_trains_with_this_runs_weight_decay_not_the_checkpoints(shards,
     resumed_with_another_weight_decay(shards, tmp_path)
     state = load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
-    assert state["args"]["weight_decay"] == 0.0
+    assert checkpoint.recorded_flags(state)["weight_decay"] == 0.0
 
 
 def test_a_resume_under_changed_hyperparameters_says_which_old_to_new(shards, tmp_path, capsys):
