@@ -31,7 +31,7 @@ import logdir
 import memory
 import sharding
 from atomic import remove_if_unused
-from checkpoint import CheckpointError, Checkpointer, list_checkpoints
+from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
 from cli import Parser, preset_path
 from data import ShardError, ShardLoader, list_shards
 from devices import autocast, peak_flops, pick_dtype, synchronize
@@ -187,9 +187,10 @@ def setup(cfg):
     if cfg.optimizer.name == "muon":
         log(describe(trainable.optimizer, cfg.optimizer))
     saving = cfg.checkpoints
-    checkpointer = Checkpointer(cfg.log_dir, saving.checkpoint_interval, saving.keep_last, sharded=bool(cfg.scale.fsdp),
-                                async_save=saving.async_checkpoint, log=log)
-    start_step = checkpointer.restore(saving.resume, trainable, train_loader, cfg.schedule.max_steps, cfg.flags())
+    checkpointer = Checkpointer(cfg.log_dir, training_parts(trainable, train_loader), saving.checkpoint_interval,
+                                saving.keep_last, sharded=bool(cfg.scale.fsdp), async_save=saving.async_checkpoint,
+                                log=log)
+    start_step = checkpointer.restore(saving.resume, cfg.schedule.max_steps, cfg.flags())
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, rank == 0, mirrors)
@@ -223,7 +224,7 @@ def train(cfg):
         while True:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
+                run.checkpointer.save(step, run.cfg.flags())
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
@@ -237,7 +238,7 @@ def train(cfg):
             lr = cfg.schedule.lr(step, cfg.optimizer.max_lr)
             result = train_step_fitting(run, step, lr, stop.requested, auto_batch)
             if result is None:
-                run.checkpointer.save(step, trainable, run.train_loader, run.cfg.flags())
+                run.checkpointer.save(step, run.cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 stopped = True
                 break
