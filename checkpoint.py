@@ -1,16 +1,20 @@
 """Checkpoints: what they hold, written atomically, read as plain data, never by running pickled code.
 
-A checkpoint holds the model (plain GPT keys), the optimizer's state, the loss scaler, the step, the
-data loader's position, every rank's RNG state, the config (GPTConfig as a dict) and the run's flags
-(checkpoint_contents). It comes in two kinds:
+A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer,
+the loss scaler, the train loader's position and every rank's random state. Each part saves and
+restores itself (state_dict, load_state_dict); a checkpoint holds each under its name, beside its
+record: the step, the config (GPTConfig as a dict) and the run's flags (TrainConfig.flags()). It
+comes in two formats, which differ only in the writer (save_one_file, save_sharded) and the reader
+(saved_states):
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory into whose storage files
-  every rank writes its own slices of the model and the optimizer (under FSDP), beside
-  train_state.pt with the rest; the storage files are read as plain data by dcp_reader.py.
-Every reader goes through load_checkpoint; a run resumes through restore_training, from
-either kind, sharded or not, on any number of ranks. This file reads in that order: the
-Checkpointer that decides when a run saves, saves and restores; what a checkpoint holds and how
-it is restored; where checkpoints are in a log_dir; then each format.
+  every rank writes its own slices of the parts that hold tensors there, the model and the
+  optimizer (under FSDP), beside train_state.pt with the rest; the storage files are read as
+  plain data by dcp_reader.py.
+Every reader goes through load_checkpoint; a run resumes through restore_parts, from either
+format, sharded or not, on any number of ranks. This file reads in that order: the Checkpointer
+that decides when a run saves, saves and restores; the parts and how a checkpoint restores
+them; where checkpoints are in a log_dir; then each format.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
@@ -25,13 +29,15 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -50,58 +56,42 @@ TRAIN_STATE = "train_state.pt"  # in a sharded checkpoint: all but the model's a
 
 # ----------------------------------------------------------------------------- a run's checkpoints
 
-class Checkpointer:
-    """When and how a run saves and resumes (as torchtitan's CheckpointManager): every interval
-    steps and at the end, only finite weights, only where every rank's disk has room, one file
-    from rank 0 or (sharded) storage files from every rank, in the background with async_save,
-    the oldest pruned to keep_last. A save that fails (a full disk) is a warning: training goes on."""
+class Saving(NamedTuple):
+    """A checkpoint being written: in place once future is done (None: in place already)."""
+    path: str
+    future: concurrent.futures.Future | None
 
-    def __init__(self, log_dir, interval, keep_last, sharded=False, async_save=False, log=print):
-        self.log_dir, self.interval, self.keep_last = log_dir, interval, keep_last
-        self.sharded, self.async_save, self.log = sharded, async_save, log
+
+class Checkpointer:
+    """When and how a run saves and resumes its parts (training_parts), as torchtitan's
+    CheckpointManager: every interval steps and at the end, only finite weights, only where every
+    rank's disk has room, one file from rank 0 or (sharded) storage files from every rank, in the
+    background with async_save, the oldest pruned to keep_last. A save that fails (a full disk) is
+    a warning: training goes on."""
+
+    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print):
+        self.log_dir, self.parts, self.interval, self.keep_last = log_dir, parts, interval, keep_last
+        self.sharded, self.log = sharded, log
+        self.write = partial(save_sharded, async_save=async_save) if sharded else save_one_file  # the one difference
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.pending = None  # (path, future) of a sharded checkpoint still being written
+        self.pending = None  # the Saving of a checkpoint still being written
 
     def due(self, step, start_step, last_step):
         """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
         return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
 
-    def save(self, step, trainable, train_loader, flags):
-        """Saves trainable and the loader at step, on every rank at once: a refusal (weights
-        that are not finite) then stops every rank, none left waiting at the next collective.
-        An interval of -1 saves nothing."""
+    def save(self, step, flags):
+        """Saves every part at step, with flags (TrainConfig.flags()) as the run's record, on every
+        rank at once: a refusal (weights that are not finite) then stops every rank, none left
+        waiting at the next collective. An interval of -1 saves nothing."""
         if self.interval < 0:
             return
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainable.raw_model.parameters()]
-        finite = bool(torch.stack([p.isfinite().all() for p in local]).all())
+        finite = self.parts["model"].finite()
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
-        rng = every_rank(random_state())  # each rank's dropout masks resume as its own
-        if self.sharded:
-            self._save_dcp(step, trainable, train_loader, flags, rng)
-        elif self.rank == 0:
-            path = checkpoint_path(self.log_dir, step)
-            state = checkpoint_contents(trainable.raw_model, trainable.optimizer, trainable.scaler, step, train_loader,
-                                        flags, rng)
-            if save_checkpoint(path, state):
-                prune_checkpoints(self.log_dir, self.keep_last)
-                self.log(f"saved {path}")
-
-    def _save_dcp(self, step, trainable, train_loader, flags, rng):
         self.wait()  # one checkpoint at a time
-        path = checkpoint_path(self.log_dir, step, sharded=True)
-        state_dicts = [trainable.raw_model.state_dict(), trainable.optimizer.state_dict()]
-        short = [why for why in every_rank(room_problem(self.log_dir, state_dicts)) if why]
-        if short:
-            print(f"warning: skipping checkpoint {path}: {short[0]}", file=sys.stderr)
-            return
-        state = train_state(trainable.raw_model, trainable.scaler, step, train_loader, flags, rng)
-        try:
-            future = save_dcp(path, trainable.raw_model, trainable.optimizer, state, async_save=self.async_save)
-        except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
-            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
-            return
-        self.pending = (path, future)
-        if future is None:
+        record = checkpoint_record(self.parts, step, flags)
+        self.pending = self.write(checkpoint_path(self.log_dir, step, self.sharded), self.parts, record)
+        if self.pending is not None and self.pending.future is None:
             self.wait()
 
     def wait(self):
@@ -115,20 +105,20 @@ class Checkpointer:
                 if dist.is_initialized():
                     dist.barrier()  # rank 0 has renamed it into place
         except (OSError, CheckpointException) as e:
-            print(f"warning: could not write checkpoint {path}: {save_error(e)}", file=sys.stderr)
+            warn_unwritten(path, save_error(e))
             return
         if self.rank == 0:
             prune_checkpoints(self.log_dir, self.keep_last)
         self.log(f"saved {path}")
 
-    def restore(self, resume, trainable, train_loader, max_steps, flags=None):
-        """Restores the checkpoint resume names ("auto", "none" or a path) into trainable and the
-        loader, under this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs
-        those that differ from the checkpoint's record in one line. Returns the step to start from.
-        Every rank reads the checkpoint itself, so all must find the same one: on several nodes,
-        log_dir must be shared storage. Under "auto", a sharded checkpoint whose storage files
-        cannot be read (damage shows only then) is passed over for the next older one, which
-        overwrites whatever the failed restore had loaded."""
+    def restore(self, resume, max_steps, flags):
+        """Restores every part from the checkpoint resume names ("auto", "none" or a path), under
+        this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs those that
+        differ from the checkpoint's record in one line. Returns the step to start from. Every rank
+        reads the checkpoint itself, so all must find the same one: on several nodes, log_dir must
+        be shared storage. Under "auto", a sharded checkpoint whose storage files cannot be read
+        (damage shows only then) is passed over for the next older one, which overwrites whatever
+        the failed restore had loaded."""
         found = find_resume(resume, self.log_dir)
         while True:
             steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
@@ -139,8 +129,7 @@ class Checkpointer:
                 return 0
             path, state = found
             try:
-                step = restore_training(state, path, trainable.raw_model, trainable.optimizer, trainable.scaler,
-                                        train_loader, self.log)
+                step = restore_parts(path, state, self.parts, self.log)
                 break
             except UnreadableStorage as e:
                 if resume != "auto":
@@ -148,11 +137,7 @@ class Checkpointer:
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
         self.log(f"resuming from {path} at step {step}")
-        saved_batch = state["args"].get("micro_batch_size") if isinstance(state.get("args"), dict) else None
-        if isinstance(saved_batch, int) and saved_batch != train_loader.B:  # -B auto on another GPU, or another -B
-            self.log(f"note: micro-batch {train_loader.B}, where the checkpoint's run took {saved_batch}: "
-                     f"the same tokens per optimizer step, in other micro-steps")
-        changed = changed_hyperparameters(state.get("args"), flags or {})
+        changed = changed_hyperparameters(recorded_flags(state), flags)
         if changed:
             self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
         if resume != "auto" and step < max_steps:
@@ -160,26 +145,166 @@ class Checkpointer:
         return step
 
 
-# ----------------------------------------------------------------------------- what a checkpoint holds
-
-def checkpoint_contents(raw_model, optimizer, scaler, step, train_loader, flags, rng=None):
-    """Everything an exact resume needs, as tensors and plain Python values; flags: the run's
-    flags by name (TrainConfig.flags()), kept as its record; rng: every rank's random_state(),
-    rank 0's first (None: this process's alone)."""
-    return {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            **train_state(raw_model, scaler, step, train_loader, flags, rng)}
+def warn_unwritten(path, why):
+    print(f"warning: could not write checkpoint {path}: {why}; older checkpoints are kept", file=sys.stderr)
 
 
-def train_state(raw_model, scaler, step, train_loader, flags, rng=None):
-    """All of checkpoint_contents but the model's and the optimizer's tensors: what train_state.pt holds."""
-    return {
-        "scaler": scaler.state_dict(),
-        "step": step,
-        "train_loader": train_loader.state_dict(),
-        "rng": rng or [random_state()],
-        "config": asdict(raw_model.config),
-        "args": flags,
-    }
+# ----------------------------------------------------------------------------- the parts of a run
+
+def training_parts(trainable, train_loader):
+    """The stateful parts of a run (trainable: train_gpt2.Trainable), by the name each has in a
+    checkpoint. Each has state_dict() and load_state_dict(saved), which returns None or a note on
+    the checkpoint to log after its path; those whose tensors a sharded checkpoint holds in DCP's
+    storage files (in_storage) also have dcp_state_dict() and load_dcp_state_dict(loaded), in
+    DCP's form: keyed by the parameters' names, each rank's slices under FSDP."""
+    model = trainable.raw_model
+    return {"model": ModelPart(model), "optimizer": OptimizerPart(model, trainable.optimizer),
+            "scaler": ScalerPart(trainable.scaler), "train_loader": LoaderPart(train_loader),
+            "rng": RandomStates(model.config.dropout)}
+
+
+def checkpoint_record(parts, step, flags):
+    """What a checkpoint records of its run beside the parts' states: the step, the model's config
+    (GPTConfig as a dict) and the run's flags (TrainConfig.flags())."""
+    return {"step": step, "config": asdict(parts["model"].raw_model.config), "flags": flags}
+
+
+def checkpoint_contents(parts, record):
+    """Everything an exact resume needs, as tensors and plain Python values, as one file holds it:
+    every part's state_dict() (the rng part's gathers every rank's) and the record."""
+    return {**{name: part.state_dict() for name, part in parts.items()}, **record}
+
+
+def in_storage(parts):
+    """The names of the parts whose tensors a sharded checkpoint holds in DCP's storage files."""
+    return [name for name, part in parts.items() if hasattr(part, "dcp_state_dict")]
+
+
+class ModelPart:
+    """The weights of raw_model, the plain GPT (FSDP-sharded or not): state_dict() with plain GPT
+    keys, whole, as one file holds them; either form loads into a model sharded or not."""
+
+    def __init__(self, raw_model):
+        self.raw_model = raw_model
+
+    def finite(self):
+        """Whether every weight is finite (of a sharded one, this rank's slices)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.raw_model.parameters()]
+        return bool(torch.stack([p.isfinite().all() for p in local]).all())
+
+    def state_dict(self):
+        return self.raw_model.state_dict()
+
+    def load_state_dict(self, saved):
+        if isinstance(self.raw_model, FSDPModule):  # every rank has read all of it, and keeps its own slices
+            set_model_state_dict(self.raw_model, saved, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.raw_model.load_state_dict(saved)
+
+    def dcp_state_dict(self):
+        return get_model_state_dict(self.raw_model)
+
+    def load_dcp_state_dict(self, loaded):
+        set_model_state_dict(self.raw_model, loaded)
+
+
+class OptimizerPart:
+    """What the optimizer learned (AdamW's moments, Muon's momentum buffers, the step counts),
+    restored under this run's settings (load_optimizer_state), then checked on every rank before
+    any steps (optimizer_state_problem). state_dict() is keyed by each parameter's place in its
+    optimizer, a MuonAdamW's as {"adamw": ..., "muon": ...}, as one file holds it."""
+
+    def __init__(self, raw_model, optimizer):
+        self.raw_model, self.optimizer = raw_model, optimizer
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, saved):
+        if isinstance(self.raw_model, FSDPModule):
+            set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer),
+                                     keyed_by_name(self.raw_model, self.optimizer, saved),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            load_optimizer_state(self.optimizer, saved)
+        self.check()
+
+    def dcp_state_dict(self):
+        return get_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer))
+
+    def load_dcp_state_dict(self, loaded):
+        loaded["param_groups"] = with_run_settings(loaded["param_groups"], self.optimizer)
+        set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer), loaded)
+        self.check()
+
+    def check(self):
+        """Every rank stops alike: a rank that trained on would wait for the others forever."""
+        problems = [p for p in every_rank(optimizer_state_problem(self.raw_model, self.optimizer)) if p]
+        if problems:
+            raise Unrestorable(problems[0])
+
+
+def keyed_by_name(raw_model, optimizer, saved):
+    """saved, optimizer.state_dict()'s form, keyed by the parameters' order in each optimizer, as
+    DCP's loader takes it: by their names, several optimizers' state as one, under this run's
+    settings."""
+    names = parameter_names(raw_model)
+    by_name = {"state": {}, "param_groups": []}
+    for part, saved_part in saved_parts(optimizer, saved):
+        order = [names[id(p)] for group in part.param_groups for p in group["params"]]
+        by_name["state"].update({order[i]: s for i, s in saved_part["state"].items()})
+        by_name["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]}
+                                    for g in with_run_settings(saved_part["param_groups"], part)]
+    return by_name
+
+
+class ScalerPart:
+    """The fp16 loss scale (torch.amp.GradScaler): empty where saved without fp16 loss scaling, and
+    then a switch to fp16 starts a fresh scale."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, saved):
+        if saved:
+            self.scaler.load_state_dict(saved)
+
+
+class LoaderPart:
+    """The train loader's position (data.ShardLoader), carried over by tokens read where the saved
+    run read other micro-batches (another -B, -B auto on another GPU, another number of ranks)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, saved):
+        self.loader.load_state_dict(saved)
+        if int(saved["tokens_per_index"]) != self.loader.tokens_per_index:
+            return (f"was saved by a run of micro-batches of {int(saved['tokens_per_index']):,} tokens over all "
+                    f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer step, "
+                    f"in other micro-steps")
+        return None
+
+
+class RandomStates:
+    """Every rank's random state, which draws its dropout masks (dropout: this run's): state_dict()
+    gathers them from every rank, rank 0's first; load_state_dict restores each rank's own
+    (restore_random_state)."""
+
+    def __init__(self, dropout):
+        self.dropout = dropout
+
+    def state_dict(self):
+        return every_rank(random_state())
+
+    def load_state_dict(self, saved):
+        return restore_random_state(saved, self.dropout)
 
 
 def random_state():
@@ -187,13 +312,13 @@ def random_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def restore_random_state(path, saved, dropout, log):
+def restore_random_state(saved, dropout):
     """Restores this rank's random state from saved, a checkpoint's "rng": one random_state() per
     rank (an older checkpoint's is one dict, of one rank). Every rank checks every rank's state and
     restores its own, then all agree, as on the optimizer's state: a state that cannot be restored
-    is one CheckpointError naming the rank, on every rank, none left waiting at a collective. Saved
-    on another number of ranks it restores none, and under dropout logs that the masks are drawn
-    afresh: each rank keeps the seed the run gave it."""
+    is Unrestorable, naming the rank, on every rank, none left waiting at a collective. Saved on
+    another number of ranks it restores none, and under dropout returns a note that the masks are
+    drawn afresh: each rank keeps the seed the run gave it."""
     states = [saved] if isinstance(saved, dict) else saved
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problem = random_states_problem(states)
@@ -207,11 +332,12 @@ def restore_random_state(path, saved, dropout, log):
             problem = f"rank {rank}'s state: {first_line(e)}"
     problems = [p for p in every_rank(problem) if p]
     if problems:
-        raise CheckpointError(f"{path}: its rng cannot be restored ({problems[0]})")
+        raise Unrestorable(problems[0])
     if len(states) != ranks and dropout:
-        log(f"note: {path} holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, "
-            f"optimizer and data resume as saved, but dropout's masks are drawn afresh, so the losses from here "
-            f"are not those of the run uninterrupted")
+        return (f"holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, optimizer "
+                f"and data resume as saved, but dropout's masks are drawn afresh, so the losses from here are not "
+                f"those of the run uninterrupted")
+    return None
 
 
 # The bytes of a CUDA generator's state: its seed and its offset, 8 each.
@@ -236,16 +362,42 @@ def random_states_problem(states):
     return None
 
 
-def restore_training(state, path, raw_model, optimizer, scaler, train_loader, log=print):
-    """Puts a run back where checkpoint_contents found it, from either kind of checkpoint into a model
-    sharded or not; returns its step. The model's dropout is this run's: a checkpoint trained at
-    another is resumed at this one, with a note to log."""
-    sharded = is_sharded_checkpoint(path)  # its tensors are read from the directory, not from state
-    missing = [key for key in ("optimizer", "scaler", "train_loader", "rng", "step")
-               if key not in state and not (sharded and key == "optimizer")]
+# ----------------------------------------------------------------------------- restoring them
+
+class Unrestorable(Exception):
+    """Why a part cannot restore the state it was given: restoring names the checkpoint and the part."""
+
+
+def restore_parts(path, state, parts, log=print):
+    """Puts every part back as the checkpoint at path saved it (state: what load_checkpoint read of
+    it), from either format into a model sharded or not, once its record is found to fit this run
+    (check_resumable); logs each part's note on it, and returns its step."""
+    step = check_resumable(path, state, parts, log)
+    for note in load_parts(path, state, parts):
+        log(f"note: {path} {note}")
+    return step
+
+
+def load_parts(path, state, parts):
+    """Loads each of parts from the checkpoint at path (state: what load_checkpoint read of it), each
+    failure one CheckpointError naming the file and the part; returns the parts' notes on it."""
+    notes = []
+    for name, load, saved in saved_states(path, state, parts):
+        with restoring(path, name):
+            notes.append(load(saved))
+    return [note for note in notes if note]
+
+
+def check_resumable(path, state, parts, log):
+    """The step of the checkpoint at path, once its record is found to fit this run's parts before
+    any is read: a state for each part (a sharded one's tensors are in its storage files), a step,
+    the model's architecture and the optimizer's kind. The model's dropout is this run's: a
+    checkpoint trained at another is resumed at this one, with a note to log."""
+    sharded = is_sharded_checkpoint(path)
+    missing = [key for key in (*parts, "step") if key not in state and not (sharded and key in in_storage(parts))]
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
-    config = asdict(raw_model.config)
+    config = asdict(parts["model"].raw_model.config)
     saved = dict(model_fields(path, state["config"]))
     saved_dropout, dropout = saved.pop("dropout", GPTConfig.dropout), config.pop("dropout")
     if saved != config:
@@ -258,28 +410,11 @@ def restore_training(state, path, raw_model, optimizer, scaler, train_loader, lo
     step = state["step"]
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
-    saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(optimizer)
+    saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(parts["optimizer"].optimizer)
     if saved_optimizer != this_optimizer:
         raise CheckpointError(f"{path} is a run of --optimizer {saved_optimizer}, this one is of --optimizer "
                               f"{this_optimizer}: resume it with --optimizer {saved_optimizer}, or start over "
                               f"in another --log_dir")
-    with restoring(path, "model and optimizer"):
-        if sharded:
-            load_sharded(path, raw_model, optimizer)
-        elif isinstance(raw_model, FSDPModule):
-            load_whole_into_sharded(state, raw_model, optimizer)
-        else:
-            raw_model.load_state_dict(state["model"])
-            load_optimizer_state(optimizer, state["optimizer"])
-    problems = [p for p in every_rank(optimizer_state_problem(raw_model, optimizer)) if p]
-    if problems:  # every rank stops alike: a rank that trained on would wait for the others forever
-        raise CheckpointError(f"{path}: {problems[0]}")
-    with restoring(path, "scaler"):
-        if state["scaler"]:  # empty when saved without fp16 loss scaling: a switch to fp16 starts a fresh scale
-            scaler.load_state_dict(state["scaler"])
-    with restoring(path, "train_loader"):
-        train_loader.load_state_dict(state["train_loader"])
-    restore_random_state(path, state["rng"], dropout, log)
     return step
 
 
@@ -289,8 +424,17 @@ def restoring(path, field):
     or foreign file's) is one CheckpointError naming both, never a traceback."""
     try:
         yield
+    except Unrestorable as e:
+        raise CheckpointError(f"{path}: its {field} cannot be restored ({e})") from None
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
+
+
+def recorded_flags(state):
+    """The flags a checkpoint records of its run (TrainConfig.flags()): its "flags", or the "args"
+    of one written before that name; {} where it records none."""
+    record = state.get("flags", state.get("args"))
+    return record if isinstance(record, dict) else {}
 
 
 def saved_optimizer_name(path, state):
@@ -301,7 +445,7 @@ def saved_optimizer_name(path, state):
 def recorded_flag(path, state, name, default, valid):
     """The value of flag name that the checkpoint at path records of its run (default where it
     records none), or a CheckpointError if valid(value) is false."""
-    value = state.get("args", {}).get(name, default)
+    value = recorded_flags(state).get(name, default)
     if not valid(value):
         raise CheckpointError(f"{path}: its recorded --{name} is {brief(value)}, which that flag cannot be")
     return value
@@ -337,7 +481,7 @@ def with_run_settings(saved_groups, optimizer):
 def changed_hyperparameters(saved_flags, flags):
     """["name old -> new"] for each of HYPERPARAMETER_FLAGS whose value in flags (this run's, as
     TrainConfig.flags() gives them) differs from saved_flags, a checkpoint's record of its run's
-    ("args"); nothing for a flag the record lacks, or a checkpoint with no record."""
+    (recorded_flags); nothing for a flag the record lacks, or a checkpoint with no record."""
     if not isinstance(saved_flags, dict):
         return []
     return [f"{name} {brief(saved_flags[name])} -> {flags[name]}" for name in HYPERPARAMETER_FLAGS
@@ -350,14 +494,19 @@ def optimizer_state_problem(raw_model, optimizer):
     shape, and its step count one finite number, 0 or more. torch loads a tampered one as it is
     (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN.
     The param groups' settings are this run's own (with_run_settings), checked as its flags are."""
-    names = {id(p): name for name, p in plain_state_dict(dict(raw_model.named_parameters())).items()}
+    names = parameter_names(raw_model)
     for part in torch_optimizers(optimizer):
         for param in (p for group in part.param_groups for p in group["params"]):
             for key, value in part.state.get(param, {}).items():
                 problem = state_value_problem(key, value, param)
                 if problem:
-                    return f"its optimizer state of {names.get(id(param), 'a parameter')}: {key} {problem}"
+                    return f"the state of {names.get(id(param), 'a parameter')}: {key} {problem}"
     return None
+
+
+def parameter_names(raw_model):
+    """{id(parameter): its plain GPT name} of raw_model's parameters."""
+    return {id(p): name for name, p in plain_state_dict(dict(raw_model.named_parameters())).items()}
 
 
 def state_value_problem(key, value, param):
@@ -517,23 +666,73 @@ def tensors_in(obj):
             yield from tensors_in(v)
 
 
-# ----------------------------------------------------------------------------- one file
+# ----------------------------------------------------------------------------- the formats: writers and readers
 
-def save_checkpoint(path, state):
-    """Writes state to path through a temporary file, flushed and renamed, so a crash at any
-    moment leaves either the complete new file or none. Returns False, keeping older files,
-    when the disk lacks room."""
-    short = room_problem(os.path.dirname(os.path.abspath(path)), state)
-    if short:
-        print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
-        return False
+def save_one_file(path, parts, record):
+    """The one-file writer: every part's state_dict() and the record in one file (save_checkpoint),
+    which rank 0 writes: under DDP every rank's model and optimizer are the same. Its Saving once
+    in place, else None."""
+    state = checkpoint_contents(parts, record)  # on every rank: the rng part gathers
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Saving(path, None) if rank == 0 and save_checkpoint(path, state) else None
+
+
+def save_sharded(path, parts, record, async_save=False):
+    """The sharded writer, on every rank: the parts in_storage in DCP's form, each rank its own
+    slices, and the others' state_dict() and the record as train_state.pt (save_dcp). Its Saving,
+    or None where some rank's disk lacks room or a write failed (a warning says so)."""
+    names = in_storage(parts)
+    short = every_rank(room_problem(os.path.dirname(path), [parts[name].state_dict() for name in names]))
+    if any(short):
+        print(f"warning: skipping checkpoint {path}: {next(why for why in short if why)}", file=sys.stderr)
+        return None
+    rest = {**{name: part.state_dict() for name, part in parts.items() if name not in names}, **record}
+    tensors = {name: parts[name].dcp_state_dict() for name in names}
+    try:
+        return Saving(path, save_dcp(path, tensors, rest, async_save=async_save))
+    except (OSError, CheckpointException) as e:  # a full disk on some rank: every rank hears of it
+        warn_unwritten(path, save_error(e))
+        return None
+
+
+def saved_states(path, state, parts):
+    """(name, load, saved) for each of parts: the part's load and what the checkpoint at path holds
+    of it (state: what load_checkpoint read of it). Of a sharded checkpoint, the tensors of the
+    parts in_storage are read first, in DCP's form, from its storage files: each rank reads only
+    the pieces of its slices, on any number of ranks or in one process."""
+    if not is_sharded_checkpoint(path):
+        return [(name, part.load_state_dict, state[name]) for name, part in parts.items()]
+    tensors = {name: parts[name].dcp_state_dict() for name in in_storage(parts)}
+    with restoring(path, " and ".join(tensors)):
+        dcp_load(tensors, path)
+    return [(name, part.load_dcp_state_dict, tensors[name]) if name in tensors else
+            (name, part.load_state_dict, state[name]) for name, part in parts.items()]
+
+
+def save_plain(path, state):
+    """torch.save(state) into path through a temporary file, flushed and renamed (atomic_open), so
+    a crash at any moment leaves either the complete new file or none: why it failed, or None."""
     try:
         with atomic_open(path) as f:
             torch.save(state, f)
     except (OSError, RuntimeError) as e:  # a full disk despite the check, a quota, a file-size limit, a
         # vanished mount; torch's zip writer reports the OSError as "RuntimeError: ... unexpected pos"
-        print(f"warning: could not write checkpoint {path}: {first_line(e)}; older checkpoints are kept",
-              file=sys.stderr)
+        return first_line(e)
+    return None
+
+
+# ----------------------------------------------------------------------------- one file
+
+def save_checkpoint(path, state):
+    """Writes state to path (save_plain). Returns False, keeping older files, when the disk lacks
+    room or the write fails, with a warning."""
+    short = room_problem(os.path.dirname(os.path.abspath(path)), state)
+    if short:
+        print(f"warning: skipping checkpoint {path}: {short}", file=sys.stderr)
+        return False
+    error = save_plain(path, state)
+    if error:
+        warn_unwritten(path, error)
         return False
     return True
 
@@ -541,8 +740,8 @@ def save_checkpoint(path, state):
 def load_checkpoint(path, map_location="cpu"):
     """Loads a checkpoint with weights_only=True: tensors and plain data only. A pickle that
     would construct anything else, code included, is refused before any of it runs. Of a
-    sharded checkpoint, only train_state.pt: its tensors are read into a model by
-    restore_training or loading.load_model."""
+    sharded checkpoint, only train_state.pt: its tensors are read into the parts that hold them
+    by load_parts."""
     if is_sharded_checkpoint(path):
         check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
         refuse_link(os.path.join(path, TRAIN_STATE))
@@ -577,8 +776,8 @@ def _load_plain(path, map_location, require=("model", "config")):
 # How deep a checkpoint's plain data nests: optimizer, a MuonAdamW's part, param_groups, a group, its betas.
 CHECKPOINT_DEPTH = 6
 # The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
-# flags, whose --fault is a list of dicts.
-RECORD_DEPTHS = {"config": 1, "args": 3}
+# flags ("args" in checkpoints written before that name), whose --fault is a list of dicts.
+RECORD_DEPTHS = {"config": 1, "flags": 3, "args": 3}
 
 
 def contents_problem(state):
@@ -612,12 +811,12 @@ def is_sharded_checkpoint(path):
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, TRAIN_STATE))  # a link is one, to be refused
 
 
-def save_dcp(path, model, optimizer, state, async_save=False):
-    """Writes a sharded checkpoint on every rank: each rank its own slices of the model and of
-    the optimizer's state, in parallel, rank 0 also state (train_state's). The directory is written as
-    PATH.partial and renamed to path once complete, by rank 0. async_save returns at once, with
-    the tensors copied to host memory, and the writing goes on in a thread: the returned future
-    is done once the checkpoint is in place; otherwise it is in place on return (None returned).
+def save_dcp(path, tensors, state, async_save=False):
+    """Writes a sharded checkpoint on every rank: tensors (DCP's state dicts by name), each rank its
+    own slices, in parallel, and rank 0 also state (plain data) as train_state.pt. The directory is
+    written as PATH.partial and renamed to path once complete, by rank 0. async_save returns at
+    once, with the tensors copied to host memory, and the writing goes on in a thread: the returned
+    future is done once the checkpoint is in place; otherwise it is in place on return (None returned).
     A failed write (a full disk) on any rank is an OSError or DCP's CheckpointException on all."""
     partial = path + ".partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -628,8 +827,6 @@ def save_dcp(path, model, optimizer, state, async_save=False):
         error = shared[0]
     if error:
         raise OSError(error)
-    model_state, optimizer_state = get_state_dict(model, torch_optimizers(optimizer))
-    tensors = {"model": model_state, "optimizer": optimizer_state}
     # DCP's writer in torch 2.9 and 2.10 calls tensor.storage(), which warns (gone in 2.11). Set for
     # good, not in a catch_warnings: async_save writes in another thread.
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
@@ -684,44 +881,12 @@ def save_train_state(partial, state):
         if os.path.lexists(partial):  # left by a run killed while writing it
             remove_entry(partial)
         os.makedirs(partial)
-        with atomic_open(os.path.join(partial, TRAIN_STATE)) as f:
-            torch.save(state, f)
-    except (OSError, RuntimeError) as e:  # as in save_checkpoint: a full disk, a file-size limit
+        error = save_plain(os.path.join(partial, TRAIN_STATE), state)
+    except OSError as e:
+        error = first_line(e)
+    if error:
         shutil.rmtree(partial, ignore_errors=True)
-        return first_line(e)
-    return None
-
-
-def load_sharded(path, model, optimizer=None):
-    """Reads a sharded checkpoint's model (and the optimizer's state) into model, sharded or not, on any
-    number of ranks or in one process: DCP reads each rank only the pieces of the storage files
-    that its slices hold."""
-    if optimizer is None:
-        tensors = {"model": get_model_state_dict(model)}
-        dcp_load(tensors, path)
-        set_model_state_dict(model, tensors["model"])
-        return
-    optimizers = torch_optimizers(optimizer)
-    model_state, optimizer_state = get_state_dict(model, optimizers)
-    tensors = {"model": model_state, "optimizer": optimizer_state}
-    dcp_load(tensors, path)
-    tensors["optimizer"]["param_groups"] = with_run_settings(tensors["optimizer"]["param_groups"], optimizer)
-    set_state_dict(model, optimizers, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"])
-
-
-def load_whole_into_sharded(state, model, optimizer):
-    """A one-file checkpoint (every rank has read all of it) into a sharded model: each rank keeps
-    its own slices. Its optimizer state is keyed by the parameters' order in each optimizer; DCP's
-    loader wants their names, and takes several optimizers' state as one."""
-    names = {id(p): name for name, p in plain_state_dict(dict(model.named_parameters())).items()}
-    by_name = {"state": {}, "param_groups": []}
-    for part, saved in saved_parts(optimizer, state["optimizer"]):
-        order = [names[id(p)] for group in part.param_groups for p in group["params"]]
-        by_name["state"].update({order[i]: s for i, s in saved["state"].items()})
-        by_name["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]}
-                                    for g in with_run_settings(saved["param_groups"], part)]
-    set_state_dict(model, torch_optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=by_name,
-                   options=StateDictOptions(full_state_dict=True))
+    return error
 
 
 def main(argv=None):
@@ -741,14 +906,13 @@ def main(argv=None):
         lr, muon_lr = (recorded_flag(args.sharded, state, name, 1.0, is_rate) for name in ("max_lr", "muon_lr"))
         optimizer = build_optimizer(model, OptimizerConfig(saved_optimizer_name(args.sharded, state), lr, 0.0,
                                                            fused_adamw=False, muon_lr=muon_lr), "cpu")
-        with restoring(args.sharded, "model and optimizer"):
-            load_sharded(args.sharded, model, optimizer)
-        problem = optimizer_state_problem(model, optimizer)
-        if problem:
-            raise CheckpointError(f"{args.sharded}: {problem}")
+        parts = {"model": ModelPart(model), "optimizer": OptimizerPart(model, optimizer)}
+        load_parts(args.sharded, state, parts)
     except CheckpointError as e:
         parser.fail(str(e))
-    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    state.update({name: part.state_dict() for name, part in parts.items()})
+    if "args" in state:  # a record from before it was named "flags"
+        state["flags"] = state.pop("args")
     if not save_checkpoint(args.out, state):
         sys.exit(1)
     print(f"wrote {args.out}: step {state['step']}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")

@@ -11,7 +11,7 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_sharded, model_of
+from checkpoint import ModelPart, is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_parts, model_of
 from cli import first_line
 from dcp_reader import CheckpointError
 from devices import pick_device
@@ -47,7 +47,7 @@ def load_model(name_or_path, map_location="cpu", dropout=None, **options):
         state = load_checkpoint(name_or_path, map_location)
         model = model_of(name_or_path, state["config"], dropout, **options)
         if is_sharded_checkpoint(name_or_path):
-            load_sharded(name_or_path, model)
+            load_parts(name_or_path, state, {"model": ModelPart(model)})
         else:
             try:
                 model.load_state_dict(state["model"])

@@ -29,7 +29,7 @@ import memory
 import sharding
 import train_config
 from atomic import remove_if_unused
-from checkpoint import CheckpointError, Checkpointer, list_checkpoints
+from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
 from data import ShardError, ShardLoader, list_shards
 from devices import peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, on_every_rank
@@ -96,10 +96,7 @@ def setup(cfg):
     torch.manual_seed(cfg.runtime.seed + procs.rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
         procs.log(describe(trainable.optimizer, cfg.optimizer))
-    saving = cfg.checkpoints
-    checkpointer = Checkpointer(cfg.log_dir, saving.checkpoint_interval, saving.keep_last, sharded=bool(cfg.scale.fsdp),
-                                async_save=saving.async_checkpoint, log=procs.log)
-    start_step = checkpointer.restore(saving.resume, trainable, train_loader, cfg.schedule.max_steps, cfg.flags())
+    checkpointer, start_step = restore_state(cfg, trainable, train_loader, procs.log)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors)
@@ -200,6 +197,16 @@ def load_data(cfg, gpt_config, micro_batch, procs):
     return train_loader, val_loader, replace(cfg, eval=evaluation)
 
 
+def restore_state(cfg, trainable, train_loader, log):
+    """(the run's Checkpointer, handed the parts it saves and restores, and the step to start from):
+    that of the checkpoint --resume names, restored into trainable and the loader, or 0."""
+    saving = cfg.checkpoints
+    checkpointer = Checkpointer(cfg.log_dir, training_parts(trainable, train_loader), saving.checkpoint_interval,
+                                saving.keep_last, sharded=bool(cfg.scale.fsdp), async_save=saving.async_checkpoint,
+                                log=log)
+    return checkpointer, checkpointer.restore(saving.resume, cfg.schedule.max_steps, cfg.flags())
+
+
 # ----------------------------------------------------------------------------- the loop
 
 def train(requested):
@@ -216,7 +223,7 @@ def train(requested):
         while True:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, cfg.flags())
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
@@ -229,7 +236,7 @@ def train(requested):
             t0 = time.perf_counter()
             result = fitted_step(run, step, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
             if result is None:
-                run.checkpointer.save(step, trainable, run.train_loader, cfg.flags())
+                run.checkpointer.save(step, cfg.flags())
                 log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
                 stopped = True
                 break

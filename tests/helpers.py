@@ -118,6 +118,22 @@ def save_as_checkpoint(model, path):
     return str(path)
 
 
+def parts_of(model, optimizer, scaler, loader):
+    """checkpoint.training_parts of a run of model, optimizer, scaler and loader."""
+    from types import SimpleNamespace
+
+    from checkpoint import training_parts
+
+    return training_parts(SimpleNamespace(raw_model=model, optimizer=optimizer, scaler=scaler), loader)
+
+
+def as_checkpoint(parts, step, flags):
+    """What a one-file checkpoint of parts at step holds, with flags (TrainConfig.flags()) as its record."""
+    from checkpoint import checkpoint_contents, checkpoint_record
+
+    return checkpoint_contents(parts, checkpoint_record(parts, step, flags))
+
+
 def disk_full(*args, **kwargs):
     """Stands in for any write that fails on a full disk."""
     raise OSError(28, "No space left on device")

@@ -24,6 +24,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
 
 
+def save_sharded(path, model, optimizer, rest):
+    """model's and optimizer's tensors as a sharded checkpoint at path writes them, beside rest."""
+    parts = {"model": checkpoint.ModelPart(model), "optimizer": checkpoint.OptimizerPart(model, optimizer)}
+    checkpoint.save_dcp(str(path), {name: part.dcp_state_dict() for name, part in parts.items()}, rest)
+
+
 def as_sharded(one_file, directory):
     """A one-file checkpoint of train_gpt2.py rewritten as the sharded kind (what --fsdp 1 writes)."""
     state = checkpoint.load_checkpoint(str(one_file))
@@ -31,8 +37,7 @@ def as_sharded(one_file, directory):
     model.load_state_dict(state["model"])
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
     checkpoint.load_optimizer_state(optimizer, state["optimizer"])
-    rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    checkpoint.save_dcp(str(directory), model, optimizer, rest)
+    save_sharded(directory, model, optimizer, {k: v for k, v in state.items() if k not in ("model", "optimizer")})
     return str(directory)
 
 
@@ -170,7 +175,7 @@ def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resum
 def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_line(copy, tmp_path, capsys):
     ckpt = copy / "ckpt_000004"
     wider = GPT(GPTConfig(**{**TINY_CONFIG, "n_embd": 64}))
-    checkpoint.save_dcp(str(tmp_path / "wider"), wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
+    save_sharded(tmp_path / "wider", wider, wider.configure_optimizers(0.1, 1e-3, "cpu"), {})
     for name in (".metadata", STORAGE_FILE):
         shutil.copy(tmp_path / "wider" / name, ckpt / name)
     assert_every_reader_refuses(ckpt, tmp_path, capsys,
@@ -282,9 +287,11 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
 
 
 def with_nest(ckpt, field, out):
-    """ckpt's contents (either kind) with nested_list(60) as a value of field ("config" or "args"),
-    written as the same kind at out; returns out."""
+    """ckpt's contents (either kind) with nested_list(60) as a value of field ("config", "flags", or
+    "args": the flags as checkpoints named them before), written as the same kind at out; returns out."""
     state = checkpoint.load_checkpoint(str(ckpt))
+    if field == "args":
+        state["args"] = state.pop("flags")
     state[field] = {**state[field], "n_layer": nested_list(60)}
     if os.path.isdir(ckpt):
         shutil.copytree(ckpt, out)
@@ -295,7 +302,8 @@ def with_nest(ckpt, field, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field, depth, kinds", [("config", 1, ("one-file", "sharded")), ("args", 3, ("sharded",))])
+@pytest.mark.parametrize("field, depth, kinds", [("config", 1, ("one-file", "sharded")), ("flags", 3, ("sharded",)),
+                                                 ("args", 3, ("sharded",))])
 def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_resume(copy, shards, tmp_path, field,
                                                                                   depth, kinds):
     """A value of the model config or the recorded flags that pickles in a few hundred bytes and
@@ -380,11 +388,12 @@ def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_l
                                                      muon_weight_decay=0.1))
     run = OptimizerConfig(name, 2e-3, weight_decay=0.0, muon_lr=0.05, muon_momentum=0.5, muon_weight_decay=0.0)
     resumed = checkpoint.build_optimizer(model, run, "cpu")
+    part = checkpoint.OptimizerPart(model, resumed)
     if sharded:
-        checkpoint.save_dcp(str(tmp_path / "ckpt"), model, saved, {})
-        checkpoint.load_sharded(str(tmp_path / "ckpt"), model, resumed)
+        save_sharded(tmp_path / "ckpt", model, saved, {})
+        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
     else:
-        checkpoint.load_optimizer_state(resumed, saved.state_dict())
+        part.load_state_dict(saved.state_dict())
     adamw = torch_optimizers(resumed)[0]
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.0, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in adamw.param_groups)
@@ -435,8 +444,8 @@ def test_random_states_that_cannot_be_restored_are_one_line_naming_the_rank(bad,
     before = torch.get_rng_state()
     saved = bad(checkpoint.random_state())
     for dropout in (0.0, 0.1):
-        with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.restore_random_state("ckpt_000004.pt", saved, dropout, print)
+        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring("ckpt_000004.pt", "rng"):
+            checkpoint.RandomStates(dropout).load_state_dict(saved)
         assert str(e.value) == f"ckpt_000004.pt: its rng cannot be restored ({problem})"
         assert torch.equal(torch.get_rng_state(), before)
 

@@ -46,11 +46,11 @@ import train_gpt2
 real_save = checkpoint.Checkpointer.save
 
 
-def save(self, step, t, train_loader, args):  # as if rank 1 alone had found its weights no longer finite
+def save(self, step, flags):  # as if rank 1 alone had found its weights no longer finite
     if os.environ["RANK"] == "1":
         with torch.no_grad():
-            t.raw_model.lm_head.weight[0, 0] = math.inf
-    real_save(self, step, t, train_loader, args)
+            self.parts["model"].raw_model.lm_head.weight[0, 0] = math.inf
+    real_save(self, step, flags)
 checkpoint.Checkpointer.save = save
 train_gpt2.main()
 """

@@ -265,6 +265,7 @@ def test_a_checkpoint_that_records_the_flags_loss_replaced_resumes(shards, tmp_p
     train(shards, tmp_path / "log", *flags[:-1], "2")
     path = tmp_path / "log" / "ckpt_000002.pt"
     state = torch.load(path, weights_only=True)
+    state["args"] = state.pop("flags")  # as checkpoints of that time named the record
     del state["args"]["loss"]
     state["args"].update(chunked_loss=1, fused_loss=0)
     torch.save(state, path)

@@ -14,7 +14,7 @@ import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, recorded_flags
 from helpers import REPO, TINY, error_of, exit_message, interpreted, needs_triton, run_script, train
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import N_VOCAB
@@ -341,7 +341,7 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
     saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))
     assert saved["train_loader"]["tokens_per_index"] == 16 * 32  # the loader records the micro-batch it took
-    assert saved["args"]["micro_batch_size"] == "auto"  # the flags, what was asked
+    assert recorded_flags(saved)["micro_batch_size"] == "auto"  # the flags, what was asked
     monkeypatch.setattr(memory, "available_memory", lambda: weights)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "none", "--total_batch_size", "2048")
     assert message.startswith(f"error: -B auto: a GPT of {memory.n_params(cfg.model):,} parameters plans ")

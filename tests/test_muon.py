@@ -16,8 +16,8 @@ import optimizers
 import train_gpt2
 from data import ShardLoader, list_shards
 from faults import Faults
-from helpers import (TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of, file_size_limit, final_weights, listdir,
-                     read_log, run_torchrun, train, train_records)
+from helpers import (TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run, error_of, file_size_limit,
+                     final_weights, listdir, parts_of, read_log, run_torchrun, train, train_records)
 from model import GPT, GPTConfig
 from trainable import StepConfig, build_trainable
 
@@ -186,7 +186,7 @@ def test_resume_of_muon_is_exact_and_its_momentum_is_in_the_checkpoint(shards, t
     for key, tensor in final_weights(tmp_path / "full", 8).items():
         assert torch.equal(tensor, final_weights(tmp_path / "resumed", 8)[key]), key
     saved = checkpoint.load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
-    assert set(saved["optimizer"]) == {"adamw", "muon"} and saved["args"]["optimizer"] == "muon"
+    assert set(saved["optimizer"]) == {"adamw", "muon"} and checkpoint.recorded_flags(saved)["optimizer"] == "muon"
     buffers = [s["momentum_buffer"] for s in saved["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)
 
@@ -251,13 +251,15 @@ def test_resume_into_the_other_optimizer_is_refused_in_one_line(shards, tmp_path
 
 @pytest.mark.parametrize("tamper, problem", [
     (lambda muon, adamw: muon[0].update(momentum_buffer=torch.zeros(5)),
-     "its optimizer state of transformer.h.0.attn.c_attn.weight: momentum_buffer has shape (5,), not its "
-     "parameter's (96, 32)"),
+     "its optimizer cannot be restored (the state of transformer.h.0.attn.c_attn.weight: momentum_buffer has "
+     "shape (5,), not its parameter's (96, 32))"),
     (lambda muon, adamw: muon[7].update(momentum_buffer="a string"),
-     "its optimizer state of transformer.h.1.mlp.c_proj.weight: momentum_buffer is a str, not a tensor"),
+     "its optimizer cannot be restored (the state of transformer.h.1.mlp.c_proj.weight: momentum_buffer is a str, "
+     "not a tensor)"),
     (lambda muon, adamw: adamw[0]["exp_avg_sq"].fill_(float("inf")),
-     "its optimizer state of transformer.wte.weight: exp_avg_sq holds NaN or infinite values"),
-    (lambda muon, adamw: adamw[0].update(step=torch.zeros(2)), "step has shape (2,), not one number"),
+     "its optimizer cannot be restored (the state of transformer.wte.weight: exp_avg_sq holds NaN or infinite "
+     "values)"),
+    (lambda muon, adamw: adamw[0].update(step=torch.zeros(2)), "step has shape (2,), not one number)"),
 ])
 def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path, capsys, tamper, problem):
     """Muon's and AdamW's state, each tensor checked against its parameter at load: torch loads it as
@@ -278,7 +280,8 @@ def test_a_negative_step_count_is_one_line_and_tampered_group_settings_give_way_
     state["optimizer"]["adamw"]["state"][0].update(step=torch.tensor(-3.0))
     torch.save(state, tmp_path / "negative.pt")
     assert_refused(shards, tmp_path, capsys, tmp_path / "negative.pt",
-                   "its optimizer state of transformer.wte.weight: step is -3, not a count of 0 or more")
+                   "its optimizer cannot be restored (the state of transformer.wte.weight: step is -3, not a "
+                   "count of 0 or more)")
     state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
     state["optimizer"]["muon"]["param_groups"][0].update(momentum=2.0)
     state["optimizer"]["adamw"]["param_groups"][1].update(betas=(0.9, 1.0))
@@ -295,7 +298,7 @@ def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards
     groups = state["optimizer"]["muon"]["param_groups"]
     groups.append({**groups[1], "params": []})
     torch.save(state, tmp_path / "extra.pt")
-    assert_refused(shards, tmp_path, capsys, tmp_path / "extra.pt", "its model and optimizer cannot be restored "
+    assert_refused(shards, tmp_path, capsys, tmp_path / "extra.pt", "its optimizer cannot be restored "
                    "(ValueError: 3 parameter groups saved, this run's optimizer has 2)")
 
 
@@ -312,13 +315,13 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     flags = train_gpt2.parse_args([]).flags()
     del flags["optimizer"]  # as the trainer saved its flags before --optimizer
-    state = checkpoint.checkpoint_contents(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, 3, loader, flags)
-    assert checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                       scaler, loader) == 3
+    state = as_checkpoint(parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, loader), 3, flags)
+    assert checkpoint.restore_parts("ckpt", state, parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                                            scaler, loader)) == 3
     optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
     with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
                                                          "--optimizer muon"):
-        checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader)
+        checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader))
 
 
 def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr(shards):
@@ -327,9 +330,9 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = optimizers.OptimizerConfig("muon", 1e-3, 0.1, fused_adamw=True, muon_lr=0.02)
     saved = optimizers.build_optimizer(model, fused, "cuda")
-    state = checkpoint.checkpoint_contents(model, saved, scaler, 3, loader, train_gpt2.parse_args(MUON).flags())
+    state = as_checkpoint(parts_of(model, saved, scaler, loader), 3, train_gpt2.parse_args(MUON).flags())
     optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
-    assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
+    assert checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader)) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
 

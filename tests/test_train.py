@@ -20,9 +20,10 @@ import train_config
 import train_gpt2
 from checkpoint import load_checkpoint
 from data import ShardLoader, list_shards, write_shard
-from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, assert_same_run, error_of,
-                     final_weights, listdir, make_tiny_gpt, one_line_error, read_log, run_cli, run_script, run_torchrun,
-                     save_as_checkpoint, train, train_records, write_jsonl, write_token_shards)
+from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run,
+                     error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
+                     run_script, run_torchrun, save_as_checkpoint, train, train_records, write_jsonl,
+                     write_token_shards)
 from model import GPT, GPTConfig
 from optimizers import OptimizerConfig, build_optimizer
 from trainable import StepConfig, Trainable, build_trainable
@@ -304,9 +305,9 @@ def test_resume_keeps_this_machines_adamw_kernel(shards):
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
-    state = checkpoint.checkpoint_contents(model, fused, scaler, 3, loader, train_gpt2.parse_args([]).flags())
+    state = as_checkpoint(parts_of(model, fused, scaler, loader), 3, train_gpt2.parse_args([]).flags())
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
-    assert checkpoint.restore_training(state, "ckpt", model, optimizer, scaler, loader) == 3
+    assert checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader)) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
 
 
@@ -355,8 +356,8 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
     model = GPT(GPTConfig(**TINY_CONFIG))
     loader = ShardLoader(list_shards(shards, "train"), 8, 32)
-    step = checkpoint.restore_training(state, "ckpt", model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                       torch.amp.GradScaler("cpu", enabled=False), loader)
+    step = checkpoint.restore_parts("ckpt", state, parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                                            torch.amp.GradScaler("cpu", enabled=False), loader))
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"][0]["cuda"][0])
 
 
@@ -458,7 +459,7 @@ def test_a_resume_trains_with_this_runs_weight_decay_not_the_checkpoints(shards,
     resumed_with_another_weight_decay(shards, tmp_path)
     state = load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
-    assert state["args"]["weight_decay"] == 0.0
+    assert checkpoint.recorded_flags(state)["weight_decay"] == 0.0
 
 
 def test_a_resume_under_changed_hyperparameters_says_which_old_to_new(shards, tmp_path, capsys):
@@ -673,7 +674,7 @@ def test_training_on_from_the_newest_checkpoint_by_path_in_its_own_log_dir(shard
 def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     """Optimizer.load_state_dict places each `step` counter by the flags of the groups it loads,
     so a run saved with one AdamW kernel and resumed with another must load under this machine's
-    flags: after restore_training every state tensor has the device and dtype that the same
+    flags: after restore_parts every state tensor has the device and dtype that the same
     optimizer, built fresh here and stepped once, holds. (On a GPU a CPU run's counters would stay
     on the CPU, under the fused kernel; on a CPU the same rule shows in the dtype: with float64 as
     the default dtype the foreach kernel counts in float64, the fused one in float32.)"""
@@ -693,11 +694,11 @@ def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     finally:
         torch.set_default_dtype(torch.float32)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    state = checkpoint.checkpoint_contents(saved_model, saved_optimizer, scaler, 1, loader, train_gpt2.parse_args([]).flags())
+    state = as_checkpoint(parts_of(saved_model, saved_optimizer, scaler, loader), 1, train_gpt2.parse_args([]).flags())
     _, fresh = stepped_once(fused=True)
     model = GPT(GPTConfig(**TINY_CONFIG))
     resumed = model.configure_optimizers(0.1, 1e-3, "cpu", fused=True)
-    checkpoint.restore_training(state, "ckpt", model, resumed, scaler, loader)
+    checkpoint.restore_parts("ckpt", state, parts_of(model, resumed, scaler, loader))
 
     def placement(optimizer):
         return [{k: (v.device, v.dtype) for k, v in optimizer.state[p].items()}
