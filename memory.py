@@ -315,7 +315,7 @@ def print_plan(cfg):
         torch.cuda.is_available() else free_memory(device_type)
     try:
         # On a GPU this machine lacks, with Triton: torch's CUDA builds bring it.
-        cfg = replace(cfg, scale=replace(cfg.scale, loss=pick_loss(cfg.scale.loss, device_type, elsewhere or None)))
+        cfg = replace(cfg, scale=cfg.scale.settled(device_type, elsewhere or None))
         batch, scale = cfg.batch, cfg.scale
         if cfg.world_size_problem(world_size):
             raise ValueError(cfg.world_size_problem(world_size))

@@ -11,13 +11,13 @@ import argparse
 import math
 import os
 import types
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from fractions import Fraction
 
 from cli import Parser, Retired, preset_names, preset_path
 from faults import fault_problem, parse_fault
 from inputs import brief
-from loss import LOSSES
+from loss import LOSSES, pick_loss
 from model import RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
 from settings import check_not_negative, check_positive, setting
@@ -162,8 +162,14 @@ class ScaleConfig:
                                 "chunked or fused, a chunk of positions at a time with torch's or Triton's row kernel, "
                                 "never the (B*T, vocab) logits (less memory); auto: fused on CUDA where Triton imports, "
                                 "else masked", choices=("auto",) + LOSSES)
+
     def __post_init__(self):
         check_positive(self, "recompute_every")
+
+    def settled(self, device_type, triton=None):
+        """These settings with --loss auto resolved on device_type (loss.pick_loss: ValueError, one
+        line, for a loss that cannot run there); triton: whether Triton imports (default: asked)."""
+        return replace(self, loss=pick_loss(self.loss, device_type, triton))
 
 
 # The flags --loss replaced, and what each meant at 1: refused in one line naming --loss, on a command

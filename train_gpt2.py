@@ -36,7 +36,6 @@ from distributed import RunError, agree, on_every_rank
 from faults import Faults
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
-from loss import pick_loss
 from model import ATTENTION_KERNELS, GPT
 from optimizers import current_muon_lr, describe, set_lr
 from tokenizer import gpt2_vocab_problem
@@ -115,7 +114,7 @@ def start_processes(cfg):
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
     try:
-        cfg = replace(cfg, scale=replace(cfg.scale, loss=pick_loss(cfg.scale.loss, device.split(":")[0])))
+        cfg = replace(cfg, scale=cfg.scale.settled(device.split(":")[0]))
     except ValueError as e:
         raise RunError(str(e)) from None
     if cfg.init_from == "scratch":  # a loaded model is as big as it is

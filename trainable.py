@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import devices
 import sharding
 from devices import autocast
-from loss import pick_loss
 from model import GPT
 from optimizers import OptimizerConfig, build_optimizer
 from train_config import ScaleConfig
@@ -65,7 +64,7 @@ def build_trainable(raw_model, device, config, init=None):
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
     own: see setup. The loss is config's, auto resolved for device (loss.pick_loss)."""
-    config = replace(config, scale=replace(config.scale, loss=pick_loss(config.scale.loss, device.split(":")[0])))
+    config = replace(config, scale=config.scale.settled(device.split(":")[0]))
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")

@@ -25,7 +25,7 @@ CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64
 
 def on_a_gpu(cfg):
     """cfg with its --loss auto resolved as the trainer resolves it on a GPU (with Triton)."""
-    return replace(cfg, scale=replace(cfg.scale, loss=loss.pick_loss(cfg.scale.loss, "cuda", triton=True)))
+    return replace(cfg, scale=cfg.scale.settled("cuda", triton=True))
 
 
 def gradients(model, idx, **forward):
