@@ -231,13 +231,22 @@ def llmc_make_command(gpu_arch, cudnn_include=None, wheel=None, toolkit_lib=None
     return command
 
 
-def cudnn_wheel_files():
-    """(headers, versioned library) of the nvidia-cudnn wheel beside torch, or None without one."""
+def nvidia_wheels():
+    """The folder of the nvidia-* wheels beside torch (the nvidia namespace package: cudnn/, cublas/,
+    ...), or None without one. The one place that says where they are: the tests point it elsewhere."""
     try:
-        import nvidia.cudnn
+        import nvidia
     except ImportError:
         return None
-    root = list(nvidia.cudnn.__path__)[0]
+    return list(nvidia.__path__)[0]
+
+
+def cudnn_wheel_files():
+    """(headers, versioned library) of the nvidia-cudnn wheel beside torch, or None without one."""
+    wheels = nvidia_wheels()
+    if wheels is None:
+        return None
+    root = os.path.join(wheels, "cudnn")
     include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
     versioned = sorted(glob.glob(os.path.join(glob.escape(lib), "libcudnn.so.*")))
     return (include, versioned[0]) if os.path.isdir(include) and versioned else None
@@ -547,11 +556,8 @@ def library_dirs():
     rpath is one), LD_LIBRARY_PATH's, the nvidia wheels' beside torch, and the loader cache's (ldconfig -p)."""
     places = {"toolkit": nvcc_library_dirs(),
               "LD_LIBRARY_PATH": [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]}
-    try:
-        import nvidia
-        places["wheels"] = sorted(glob.glob(os.path.join(glob.escape(list(nvidia.__path__)[0]), "*", "lib")))
-    except ImportError:
-        places["wheels"] = []
+    wheels = nvidia_wheels()
+    places["wheels"] = sorted(glob.glob(os.path.join(glob.escape(wheels), "*", "lib"))) if wheels else []
     try:
         cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):

@@ -7,7 +7,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -46,6 +45,18 @@ LLMC_FALLBACK = '''int cudaMallocConditionallyManaged(void** out, size_t bytes, 
     }
 }
 '''
+
+
+NVIDIA_WHEELS = peers.nvidia_wheels  # the real one, which the fixture below replaces
+
+
+@pytest.fixture(autouse=True)
+def no_libraries_but_the_tests(monkeypatch):
+    """The machine's own CUDA libraries out of sight: no nvidia-* wheels beside torch (a CUDA build of
+    torch brings nvidia-cudnn's) and no LD_LIBRARY_PATH, so that each test sees only the stand-ins it
+    makes, whether or not the machine has the real ones."""
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: None)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
 
 
 def make_checkout(root, files):
@@ -250,9 +261,7 @@ def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeyp
     (wheel / "include").mkdir(parents=True)
     (wheel / "lib").mkdir()
     (wheel / "lib" / "libcudnn.so.9").write_bytes(b"")
-    cudnn = types.SimpleNamespace(__path__=[str(wheel)])
-    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(wheel.parent)], cudnn=cudnn))
-    monkeypatch.setitem(sys.modules, "nvidia.cudnn", cudnn)
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: str(wheel.parent))
     found = peers.cudnn_wheel(str(tmp_path / "scratch"))
     link = tmp_path / "scratch" / "cudnn-link"
     assert found == (str(wheel / "include"), str(link), str(wheel / "lib"))
@@ -260,8 +269,21 @@ def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeyp
     command = peers.llmc_make_command("90", "/front/include", found)
     assert f"CUDNN_FRONTEND_PATH=/front/include -I{wheel / 'include'}" in command
     assert f"NVCC_LDLIBS=-lnvrtc -lcuda -L{link} -Xlinker -rpath={wheel / 'lib'}" in command
-    monkeypatch.setitem(sys.modules, "nvidia.cudnn", None)  # no wheel: the system's cuDNN
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: str(tmp_path / "elsewhere"))  # nvidia wheels, not cuDNN's
     assert peers.cudnn_wheel(str(tmp_path / "scratch")) is None
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: None)  # none at all: the system's cuDNN
+    assert peers.cudnn_wheel(str(tmp_path / "scratch")) is None
+
+
+def test_the_nvidia_wheels_are_where_the_nvidia_package_lies(tmp_path, monkeypatch):
+    """The wheels' folder is the nvidia namespace package's, wherever Python finds it; None without one."""
+    (tmp_path / "nvidia" / "cudnn").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [name for name in sys.modules if name == "nvidia" or name.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert NVIDIA_WHEELS() == str(tmp_path / "nvidia")
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # as if not installed: the import fails
+    assert NVIDIA_WHEELS() is None
 
 
 LOGS = {
