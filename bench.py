@@ -289,23 +289,35 @@ def train_model_config(sizes, vocab_size):
 
 
 SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
+# The judge's bounds, wide enough for bf16's noise and a first step's spike, far too narrow for a run that diverges:
+LOSS_RISE = 0.1      # no loss above its first by more than this fraction of it
+NORM_GROWTH = 100    # no gradient norm above this many times the first step's
+MIN_FALL = 0.002     # a run judged alone falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
 
 
 def training_problem(losses, grad_norms, reference=None, follow=False):
-    """Why a timed run did not train, or None: a gradient norm of 0 or not finite, a loss not finite,
-    or a loss that does not fall. The project's own run (no reference) must fall; any other must
-    fall at least half as far as reference's losses do over the same steps, and, with follow (the
-    train part's runs share the seed, the init and the data), stay within a quarter of that fall of
-    reference's loss at every step: bf16's noise passes that, a run that trains nothing does not. A
-    reference whose loss did not fall is no reference: the run is judged alone."""
+    """Why a timed run did not train, or None, from every step's loss and gradient norm: a gradient
+    norm of 0, not finite, or more than NORM_GROWTH times the first step's; a loss not finite or, at
+    any step, more than LOSS_RISE above the first. The project's own run (no reference) must fall at
+    least MIN_FALL of its first loss; any other must fall at least half as far as reference's losses
+    do over the same steps, and, with follow (the train part's runs share the seed, the init and the
+    data), stay within a quarter of that fall of reference's loss at every step: bf16's noise passes
+    that, a run that trains nothing does not. A reference that did not fall is no reference: the run
+    is judged alone."""
     for name, values in (("gradient norm", grad_norms), ("loss", losses)):
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v) or (name == "gradient norm" and v == 0)), None)
         if bad is not None:
             return f"its {name} at step {bad} is {values[bad]}"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
+    if (i := next((i for i, v in enumerate(losses) if v > losses[0] * (1 + LOSS_RISE)), None)) is not None:
+        return f"its loss rose to {losses[i]:.4f} at step {i}, from {losses[0]:.4f}"
     fall = losses[0] - losses[-1]
     expected = reference[0] - reference[-1] if reference else 0
     if expected <= 0:  # no reference, or one that did not train either: the run alone
-        return None if fall > 0 else f"its loss did not fall: {losses[0]:.4f} to {losses[-1]:.4f}"
+        least = MIN_FALL * losses[0]
+        return None if fall >= least else (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to "
+                                           f"{losses[-1]:.4f}), less than {least:.4f}")
     if fall < expected / 2:
         return f"its loss fell {fall:.4f} over {len(losses)} steps, the project's {expected:.4f}"
     apart = max(abs(a - b) for a, b in zip(losses, reference))
