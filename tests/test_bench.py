@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 from types import SimpleNamespace
 
@@ -13,13 +14,14 @@ import torch
 
 import bench
 import memory
+import step_profile
 from helpers import disk_full, exit_message, file_size_limit, run_script
-from model import ATTENTION_KERNELS, GPTConfig
+from model import ATTENTION_KERNELS, GPT, GPTConfig
 
-FIGURES = {"matmul": ["flops_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
+FIGURES = {"matmul": ["flops_per_sec"], "copy": ["bytes_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
            "generate": ["tokens_per_sec"]}
-VARIANTS = {"matmul": {"ceiling"}, "train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
+VARIANTS = {"matmul": {"ceiling"}, "copy": {"ceiling"}, "train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
             "loader": {"project", "baseline"}, "hellaswag": {"batched", "unbatched", "baseline"},
             "generate": {"batched", "unbatched"}}
 
@@ -106,6 +108,46 @@ def test_a_timed_run_that_trains_nothing_is_reported_wrong_without_a_speed(tmp_p
     assert "+chunked_loss" in row and ": wrong, no parameter received a gradient" in row
 
 
+REAL_TIME_TRAIN_RUN = bench.time_train_run
+
+
+def breaking_run(sizes, B, levers, *args):
+    """bench.time_train_run, where two levers break in the process that runs them: +recompute_full
+    crashes it, +chunked_loss raises a CUDA error inside its run (as max-autotune did on an H100)."""
+    if levers["recompute"] == "full":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if levers["loss"] == "chunked":
+        bench.build_trainable = raise_a_cuda_error  # in this process only: each run has its own (--isolate 1)
+    return REAL_TIME_TRAIN_RUN(sizes, B, levers, *args)
+
+
+def raise_a_cuda_error(*args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with TORCH_USE_CUDA_DSA")
+
+
+@pytest.mark.slow
+def test_a_lever_that_breaks_its_process_is_a_failed_row_and_the_next_lever_runs(tmp_path, monkeypatch, capsys):
+    """Under --isolate (the default on CUDA, where an error can spoil the process's CUDA context) each
+    run has a process of its own: a crash or an error there is that lever's row, and the next trains."""
+    monkeypatch.setattr(bench, "time_train_run", breaking_run)
+    results = []
+    bench.bench_train(bench.parse_args(["--quick", "--device", "cpu", "--baseline", "0", "--isolate", "1", "--levers",
+                                        "chunked_loss,recompute_full,recompute_attn"]), "cpu", str(tmp_path),
+                      results.append)
+    assert [r.get("lever") for r in results] == [None, "+chunked_loss", "+recompute_full", "+recompute_attn"]
+    project, chunked, crashed, attn = results
+    assert chunked["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert crashed["error"] == "its process died (signal SIGSEGV)"
+    for r in (project, attn):
+        assert r["tokens_per_sec"] > 0 and not {"error", "wrong"} & r.keys()
+    assert attn["losses"] == project["losses"]  # recomputing changes no number
+    assert "warning: breaking_run: its process died (signal SIGSEGV)" in capsys.readouterr().err
+    bench.print_table(results)
+    rows = capsys.readouterr().out.splitlines()[1:]  # under the header
+    assert "+recompute_full" in rows[2] and ": failed, its process died (signal SIGSEGV)" in rows[2]
+    assert bench.parse_args(["--quick", "--device", "cpu"]).isolate is False  # auto: on CUDA only
+
+
 @pytest.mark.parametrize("losses, grad_norms, reference, follow, problem", [
     ([11.0, 10.0, 9.0], [1.0, 1.0, 1.0], None, False, None),
     ([11.0, 11.0, 11.0], [1.0, 1.0, 1.0], None, False,
@@ -144,7 +186,8 @@ def test_the_json_keeps_the_results_of_a_run_cut_short(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--quick", "--parts", "matmul,loader", "--json", str(out)])
-    assert [(r["name"], r["variant"]) for r in json.loads(out.read_text())["results"]] == [("matmul", "ceiling")]
+    assert [(r["name"], r["variant"]) for r in json.loads(out.read_text())["results"]] == [("matmul", "ceiling"),
+                                                                                          ("copy", "ceiling")]
 
 
 @pytest.mark.slow
@@ -153,7 +196,7 @@ def test_a_json_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tmp_path
     bench.main(["--quick", "--parts", "matmul,loader", "--json", str(tmp_path / "bench.json")])
     out, err = capsys.readouterr()
     parts = [line.split()[0] for line in out.splitlines()[2:]]  # the table's rows: every result
-    assert parts[0] == "matmul" and set(parts[1:]) == {"loader"}
+    assert parts[:2] == ["matmul", "copy"] and set(parts[2:]) == {"loader"}
     assert err.count("warning: could not write") == len(parts)  # once after each result
 
 
@@ -337,7 +380,7 @@ def test_the_gpu_size_steps_the_trainers_default_total_batch():
     assert bench.total_batch(cfg, 64) // (64 * cfg["seq_len"]) == 8  # 524288 / (64*1024)
 
 
-CATEGORIES = [category for category, _ in bench.PROFILE_CATEGORIES]
+CATEGORIES = [category for category, _ in step_profile.PROFILE_CATEGORIES]
 
 
 @pytest.mark.parametrize("name, category", [
@@ -359,16 +402,16 @@ CATEGORIES = [category for category, _ in bench.PROFILE_CATEGORIES]
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
     ("Memcpy HtoD (Pinned -> Device)", "copies"), ("triton_poi_fused_gelu_0", "element-wise")])
 def test_the_profile_categories_come_from_the_names(name, category):
-    assert bench.profile_category(name) == category
+    assert step_profile.profile_category(name) == category
 
 
 def test_on_the_cpu_an_element_wise_operator_takes_the_category_around_it():
     step = SimpleNamespace(name="Optimizer.step#AdamW.step", cpu_parent=None)
-    assert bench.operator_category(SimpleNamespace(name="aten::lerp_", cpu_parent=step)) == "optimizer"
+    assert step_profile.operator_category(SimpleNamespace(name="aten::lerp_", cpu_parent=step)) == "optimizer"
     linear = SimpleNamespace(name="aten::linear", cpu_parent=None)
-    assert bench.operator_category(SimpleNamespace(name="aten::t", cpu_parent=linear)) == "matmul"
+    assert step_profile.operator_category(SimpleNamespace(name="aten::t", cpu_parent=linear)) == "matmul"
     copy = SimpleNamespace(name="aten::copy_", cpu_parent=step)
-    assert bench.operator_category(copy) == "copies"  # its own name first
+    assert step_profile.operator_category(copy) == "copies"  # its own name first
 
 
 def event(name, device_type, self_cpu=0.0, self_device=0.0, parent=None, annotation=False):
@@ -385,9 +428,9 @@ def test_the_profile_counts_each_moment_once():
     events = [wrapper, event("Optimizer.step#AdamW.step", cuda, self_device=300, annotation=True), event("aten::mm", cpu, self_cpu=300, self_device=400, parent=wrapper),
               event("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", cuda, self_device=400),
               event("Memcpy HtoD (Pinned -> Device)", cuda, self_device=100)]
-    on_cuda = bench.profile_table(events, 1e-3, 1, "cuda")["rows"]
+    on_cuda = step_profile.profile_table(events, 1e-3, 1, "cuda")["rows"]
     assert {r["category"]: r["share"] for r in on_cuda if r["share"]} == {"matmul": 40, "copies": 10, "idle": 50}
-    on_cpu = bench.profile_table(events, 1e-3, 1, "cpu")["rows"]
+    on_cpu = step_profile.profile_table(events, 1e-3, 1, "cpu")["rows"]
     assert {r["category"]: r["share"] for r in on_cpu if r["share"]} == {"matmul": 30, "idle": 70}
     assert [r["category"] for r in on_cpu] == CATEGORIES + ["idle"]
 
@@ -404,14 +447,71 @@ def test_profile_on_the_cpu_prints_a_table_of_the_step_and_writes_the_trace(tmp_
     shares = [r["share"] for r in profile["rows"]]
     assert all(0 <= share <= 100 for share in shares)
     assert sum(shares[:-1]) <= 100 + 1e-9 and sum(shares) == pytest.approx(100)
+    # Each category's floor: its work (step_work, at the model's shapes) at the ceilings this run measured.
+    work = step_profile.step_work(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=bench.PADDED_VOCAB),
+                                  2 * 2 * 64, 4)
+    ceilings = profile["ceilings"]
+    rate = {"FLOPs": ceilings["matmul_flops_per_sec"], "bytes": ceilings["copy_bytes_per_sec"]}
+    for row in profile["rows"][:-1]:
+        unit, amount = work[row["category"]]
+        assert row["floor_ms_per_step"] == pytest.approx(1000 * amount / rate[unit]) and row["floor_ms_per_step"] > 0
+        assert row["ratio"] == pytest.approx(row["ms_per_step"] / row["floor_ms_per_step"])
+    assert "ratio" not in profile["rows"][-1]  # idle has no floor
+    assert profile["floor_ms_per_step"] == pytest.approx(sum(row["floor_ms_per_step"] for row in profile["rows"][:-1]))
+    assert profile["ratio"] == pytest.approx(profile["wall_ms_per_step"] / profile["floor_ms_per_step"])
     table = printed[printed.index("profile of train's step"):].splitlines()
-    assert table[2].split() == ["category", "ms/step", "share"]
-    assert [line.split()[0] for line in table[3:3 + len(CATEGORIES) + 1]] == CATEGORIES + ["idle"]
+    assert table[3].split() == ["category", "ms/step", "share", "floor", "ratio"]
+    rows = [line.split() for line in table[4:4 + len(CATEGORIES) + 2]]
+    assert [row[0] for row in rows] == CATEGORIES + ["idle", "step"]
+    assert all(len(row) == 5 and row[4].endswith("x") for row in rows[:-2] + rows[-1:]) and len(rows[-2]) == 3
+    assert float(rows[-1][3]) == pytest.approx(profile["floor_ms_per_step"], rel=1e-2)
     assert table[-1] == f"trace: {tmp_path / 'bench.trace.json.gz'}" == f"trace: {profile['trace']}"
     with gzip.open(tmp_path / "bench.trace.json.gz") as f:
         trace = json.load(f)
     assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
     assert sorted(os.listdir(tmp_path)) == ["bench.json", "bench.trace.json.gz"]
+
+
+def test_a_steps_least_work_is_counted_from_the_models_shapes():
+    """step_work against the work of a tiny GPT counted another way: the matmuls' FLOPs by torch's FLOP
+    counter over a real forward and backward, attention's causal pairs one at a time, the bytes from the
+    model's own modules and parameters (bf16 activations: 2 bytes; float32 parameters and moments)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=5, vocab_size=16)
+    B, T, C, accumulation = 3, 5, 8, 2
+    tokens = B * T * accumulation  # an optimizer step of two micro-steps
+    model = GPT(config)
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(*[torch.randint(0, 16, (B, T))] * 2)
+        loss.backward()
+    flops = counter.get_flop_counts()["Global"]
+    pairs = sum(q + 1 for _ in range(tokens // T) for q in range(T))  # each position with itself and those before it
+    modules = list(model.modules())
+    norms, gelus = (sum(isinstance(m, kind) for m in modules) for kind in (torch.nn.LayerNorm, torch.nn.GELU))
+    hidden = model.transformer.h[0].mlp.c_fc.out_features
+    expected = {
+        "matmul": ("FLOPs", accumulation * (flops[torch.ops.aten.mm] + flops[torch.ops.aten.addmm])),
+        "attention": ("FLOPs", config.n_layer * pairs * 3 * (2 * C + 2 * C)),  # q.k and the sum of v; backward twice
+        "normalization": ("bytes", norms * tokens * C * 2 * (2 + 3)),  # x read, y written; dy and x read, dx written
+        "loss": ("bytes", tokens * 16 * 2 * 2),  # the logits read, their gradient written
+        "optimizer": ("bytes", sum(p.numel() for p in model.parameters()) * 4 * (1 + 4 + 3)),
+        "copies": ("bytes", tokens * 2 * torch.tensor(0).element_size()),  # inputs and targets, int64
+        "element-wise": ("bytes", tokens * 2 * (gelus * hidden * (2 + 3) + len(model.transformer.h) * 2 * C * (3 + 3)
+                                                + C * (3 + 3)))}  # GELU, the residual adds, the embeddings
+    assert step_profile.step_work(config, tokens, 2) == expected
+
+
+def test_each_floor_is_its_work_at_the_devices_ceiling():
+    profile = dict(wall_ms_per_step=10.0, rows=[dict(category="matmul", ms_per_step=4.0),
+                                                 dict(category="copies", ms_per_step=1.0),
+                                                 dict(category="idle", ms_per_step=5.0)])
+    work = {"matmul": ("FLOPs", 2e12), "copies": ("bytes", 5e8)}
+    result = step_profile.floors(profile, work, {"FLOPs": 1e15, "bytes": 1e12})
+    assert [(r["category"], r.get("floor_ms_per_step"), r.get("ratio")) for r in result["rows"]] == [
+        ("matmul", 2.0, 2.0), ("copies", 0.5, 2.0), ("idle", None, None)]
+    assert (result["floor_ms_per_step"], result["ratio"]) == (2.5, 4.0)
+    assert result["ceilings"] == {"matmul_flops_per_sec": 1e15, "copy_bytes_per_sec": 1e12}
 
 
 def test_the_trace_goes_beside_the_json(tmp_path):
