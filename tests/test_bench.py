@@ -535,59 +535,112 @@ def test_a_trace_that_cannot_be_written_is_said_and_leaves_nothing(tmp_path):
 
 
 GPU_SH = os.path.join(os.path.dirname(bench.__file__), "bench", "gpu.sh")
+GPU_PARTS = ["probe", "cuda-tests", "default", "profile", "peers", "levers"]  # what each proves, first things first
 
 
-def gpu_sh_jobs():
-    """[(log name, seconds asked for, its arguments)] of bench/gpu.sh's job, and its BUDGET and
-    KILL_AFTER, read from the script: the job is a function whose every command is `run NAME SECONDS ...`."""
+def gpu_sh_parts():
+    """{part: [(log name, seconds asked for, its arguments)]} of bench/gpu.sh, in the job's order, and its
+    BUDGET and KILL_AFTER, read from the script: each part is a branch of the function part() whose every
+    command is `run LOG SECONDS ...`."""
     with open(GPU_SH) as f:
         script = f.read().replace("\\\n", " ")
     budget, kill_after = (int(re.search(rf"^{name}=(\d+)", script, re.MULTILINE).group(1)) for name in ("BUDGET", "KILL_AFTER"))
-    [body] = re.findall(r"^job\(\) \{[^\n]*\n(.*?)^\}", script, re.MULTILINE | re.DOTALL)
-    lines = [shlex.split(line) for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert all(words[0] == "run" for words in lines), lines  # nothing outside a timeout
-    return [(words[1], int(words[2]), words[3:]) for words in lines], budget, kill_after
+    [body] = re.findall(r"^part\(\) \{[^\n]*\n(.*?)^\}", script, re.MULTILINE | re.DOTALL)
+    parts, current = {}, None
+    for line in body.splitlines():
+        line = line.strip().removesuffix(";;").strip()
+        if label := re.fullmatch(r"([\w-]+)\)", line):
+            current = parts.setdefault(label.group(1), [])
+        elif line.startswith("run "):
+            words = shlex.split(line)
+            current.append((words[1], int(words[2]), words[3:]))
+        else:
+            assert line in ("PART=$1", "case $1 in", "esac"), line  # nothing outside a timeout
+    assert re.search(r"^PARTS=\((.*)\)$", script, re.MULTILINE).group(1).split() == list(parts)
+    return parts, budget, kill_after
 
 
 def test_gpu_sh_is_one_job_of_at_most_8_minutes_and_8_files():
     """The device tool's limits: at most 480 s of timeouts, kills included, and 8 files back. The
-    first four commands (the probe, the peers, the levers, the cuda tests) get their whole time
-    within the budget; a peer's own timeout fits inside its command's; the files are each log, each
-    file named in OUT, and the trace beside a profile's JSON."""
-    jobs, budget, kill_after = gpu_sh_jobs()
+    first four parts (the probe, the cuda tests, the default step, its profile) get their whole time
+    within the budget, and each later part its own in a call of its own; a peer's own timeout fits
+    inside its command's; the files are each log, each file named in OUT, and the trace beside a
+    profile's JSON."""
+    parts, budget, kill_after = gpu_sh_parts()
     assert budget <= 480
-    assert sum(seconds + kill_after for _, seconds, _ in jobs[:4]) <= budget
+    asked = {part: sum(seconds + kill_after for _, seconds, _ in jobs) for part, jobs in parts.items()}
+    assert sum(asked[part] for part in GPU_PARTS[:4]) <= budget and max(asked.values()) <= budget
+    jobs = [job for part in parts.values() for job in part]
     files = {f"{name}.log" for name, _, _ in jobs}
     for _, _, args in jobs:
         files.update(arg.split("$OUT/", 1)[1] for arg in args if arg.startswith("$OUT/"))
         if "--profile" in args:
             files.add(os.path.basename(bench.trace_path(args[args.index("--json") + 1])))
     assert len(files) <= 8, files
-    [(_, seconds, args)] = [(name, seconds, args) for name, seconds, args in jobs if "--peer_timeout" in args]
+    [(_, seconds, args)] = parts["peers"]
     assert int(args[args.index("--peer_timeout") + 1]) < seconds
 
 
-def test_gpu_sh_never_runs_past_its_budget(tmp_path):
+def test_gpu_sh_never_runs_past_its_budget_and_names_what_it_cut(tmp_path):
     """run() cuts a command's timeout to what is left of BUDGET, less the kill's grace, and skips a
-    command cut below 30 s: the job ends within BUDGET whatever each command takes."""
+    command cut below 30 s: the job ends within BUDGET whatever each command takes. A part with a
+    command skipped, or stopped by its timeout, is cut."""
     with open(GPU_SH) as f:
         run = re.search(r"^run\(\) \{.*?^\}", f.read(), re.MULTILINE | re.DOTALL).group(0)
-    script = (f"OUT={tmp_path}; BUDGET=100; KILL_AFTER=5\n{run}\n"
-              "SECONDS=0; run a 20 true; SECONDS=50; run b 90 true; SECONDS=70; run c 90 true\n")
-    subprocess.run(["bash", "-c", script], check=True, capture_output=True)
+    script = (f"OUT={tmp_path}; BUDGET=100; KILL_AFTER=5; CUT=()\n{run}\n"
+              "SECONDS=0; PART=a; run a 20 true; SECONDS=50; PART=b; run b 90 true; SECONDS=70; PART=c; run c 90 true\n"
+              "SECONDS=0; PART=d; run d 1 sleep 10; PART=e; run e 20 true; echo \"${CUT[*]}\"\n")
+    done = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True)
     assert "at most 20 s" in (tmp_path / "a.log").read_text()
     assert "at most 45 s" in (tmp_path / "b.log").read_text()  # 100 - 50 - 5
     assert (tmp_path / "c.log").read_text().startswith("== skipped, 25 s of the budget left")
+    assert (tmp_path / "d.log").read_text().splitlines()[-1].startswith("exit 124 at")  # timeout's own code
+    assert done.stdout.splitlines()[-1] == "c d"
 
 
-def test_gpu_sh_runs_what_the_issue_asks_for_in_order_of_value():
-    """The probe, the peers, the default against the masked loss and at -B 128, the cuda tests
-    verbosely (a timeout's kill must leave each test's name); then CUDA graphs and the profile."""
-    jobs, _, _ = gpu_sh_jobs()
-    assert [args[:3] for _, _, args in jobs[:2]] == [["python3", "peers.py"], ["python3", "bench.py", "--parts"]]
-    levers = [(args[args.index("--levers") + 1] if "--levers" in args else "--profile" in args and "profile",
-               args[args.index("-B") + 1] if "-B" in args else None) for _, _, args in jobs if "train" in args]
-    assert levers == [("masked_loss", "64,128"), ("cuda_graphs", None), ("profile", None)]
-    [tests] = [args for name, _, args in jobs if name == "cuda-tests"]
-    assert [name for name, _, _ in jobs].index("cuda-tests") == 3
-    assert tests[tests.index("-o"):] == ["-o", "addopts=", "-v", "-rA", "--durations=0"]
+def run_gpu_sh(tmp_path, *parts):
+    """bench/gpu.sh run with python3 a stand-in that logs its arguments, says the GPU is an H200, and
+    ends as a timeout would for the profile: (the completed process, the commands it ran)."""
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then echo h200; exit 0; fi\necho "$*" >> {tmp_path}/calls\n'
+                    'case "$*" in *--profile*) exit 124 ;; esac\n')
+    fake.chmod(0o755)
+    (tmp_path / "calls").write_text("")
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), PEERS="P")
+    done = subprocess.run(["bash", GPU_SH, *parts], env=env, capture_output=True, text=True, timeout=120)
+    return done, (tmp_path / "calls").read_text().splitlines()
+
+
+def test_gpu_sh_runs_its_parts_in_the_order_of_what_each_proves_or_those_named(tmp_path):
+    """The probe, the cuda tests (verbose: a timeout's kill must leave each test's name), the default
+    step against the masked loss at -B 64 and 128, its profile, the peers, the other levers; or only the
+    parts named, in that order, so that a second call runs what the first one's budget cut. A part
+    that is not one is one line, before anything runs."""
+    parts, _, _ = gpu_sh_parts()
+    assert list(parts) == GPU_PARTS
+    out, steps = str(tmp_path / "out"), "--steps 6 --warmup 2"
+
+    def command(args):
+        return " ".join(arg.replace("$OUT", out).replace("$PEERS", "P").replace("$STEPS", steps) for arg in args)[
+            len("python3 "):]
+    expected = {part: [command(args) for _, _, args in jobs] for part, jobs in parts.items()}
+    done, calls = run_gpu_sh(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert calls == [call for part in GPU_PARTS for call in expected[part]]
+    assert expected["probe"] == ["peers.py", "bench.py --parts matmul"]
+    assert expected["cuda-tests"][0].endswith("-m cuda -p no:cacheprovider -o addopts= -v -rA --durations=0")
+    assert " -B 64,128 " in expected["default"][0] and expected["default"][0].split("--levers ")[1].startswith(
+        "masked_loss ")
+    assert "--profile" in expected["profile"][0] and "--parts peers" in expected["peers"][0]
+    assert expected["levers"][0].split("--levers ")[1].startswith("max_autotune,coordinate_descent,cuda_graphs ")
+    assert done.stdout.splitlines()[-1] == ("== cut by the budget: profile; run what is left in a second call: "
+                                            "PEERS=P bash bench/gpu.sh profile")
+    assert sorted(os.listdir(out)) == ["bench.log", "cuda-tests.log", "probe.log"]
+
+    done, calls = run_gpu_sh(tmp_path, "peers", "profile")
+    assert done.returncode == 0 and calls == expected["profile"] + expected["peers"]
+    done, calls = run_gpu_sh(tmp_path / "typo", "peers", "proflie")
+    assert (done.returncode, done.stderr) == (2, "bench/gpu.sh: no part named 'proflie': the parts are "
+                                                 f"{' '.join(GPU_PARTS)}\n")
+    assert calls == [] and not os.path.exists(tmp_path / "typo" / "out")
