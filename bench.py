@@ -243,7 +243,7 @@ def ceiling_sizes(device, quick):
     """(n, the side of the matmul's n x n matrices, and the bytes of the copy) that device_ceilings times:
     the copy larger than the caches."""
     on_cuda = device.startswith("cuda")
-    return 256 if quick else 8192 if on_cuda else 2048, 2**30 if on_cuda else 2**26 if quick else 2**28
+    return (256 if quick else 8192 if on_cuda else 2048), (2**30 if on_cuda else 2**26 if quick else 2**28)
 
 
 @functools.cache
@@ -437,9 +437,8 @@ def train_levers(variant, lever, compile_model):
 def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
     """The figures of train_gpt2.train_step, total_batch(sizes, B) tokens per optimizer step in
     micro-steps of B, timed on a fresh model, with the micro-batch it ran at, or {"out_of_memory": True},
-    or {"error": why}. With shrink_to_fit, a step that runs out of
-    memory runs again at half the micro-batch, as the trainer's under -B auto (train_step_fitting):
-    the same tokens per step, at what fits."""
+    or {"error": why}. With shrink_to_fit, a step that runs out of memory runs again at half the
+    micro-batch, as the trainer's under -B auto (train_step_fitting): the same tokens per step, at what fits."""
     total, T = total_batch(sizes, B), sizes["seq_len"]
     device_type = device.split(":")[0]
 
