@@ -17,16 +17,15 @@ position embedding) against the device's dense bf16 peak.
 """
 import argparse
 import datetime
+import functools
 import gc
-import gzip
-import re
 import json
 import math
 import multiprocessing
 import os
 import platform
 import random
-import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import generate
 import hellaswag
 import memory
 import peers
+import step_profile
 from atomic import atomic_open
 from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
@@ -77,26 +77,6 @@ ALL_LEVERS = LEVERS + MEMORY_LEVERS + OPT_IN_LEVERS
 # that would take minutes a step, it is SMALL_ACCUM micro-batches of each -B.
 TRAINER_TOTAL_BATCH = TrainConfig().batch.total_batch_size
 SMALL_ACCUM = 2
-# --profile's categories, from the names of the operators (aten::..., on the CPU) and of the device's
-# kernels (on CUDA): the first whose pattern (a regular expression, searched for, case ignored) is found
-# in the name wins. Attention comes before matmul: flash and memory-efficient kernels are CUTLASS
-# GEMMs too. The math attention is its parts (bmm: matmul, softmax: element-wise). On the CPU an
-# operator that is element-wise by its own name takes the category of the nearest operator or
-# annotation around it that has one: AdamW's mul_ and lerp_ inside Optimizer.step are the optimizer's.
-PROFILE_CATEGORIES = (
-    ("attention", r"scaled_dot_product|attention|flash|sdpa|fmha"),
-    ("matmul", r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv|mv|dot)$|gemm|cutlass|xmma|nvjet|triton_tem"),
-    ("normalization", r"layer_norm|layernorm|GammaBeta"),
-    ("loss", r"cross_entropy|log_?softmax|nll_loss"),
-    ("optimizer", r"adam|_foreach_|multi_tensor_apply|lpnorm|Optimizer\.step"),
-    ("copies", r"memcpy|^aten::(copy_|_to_copy|to|pin_memory|_pin_memory)$|direct_copy_kernel"),
-    ("element-wise", r""),  # everything else: gelu, add, mul, embedding, fused Triton kernels...
-)
-PROFILE_IDLE = {  # what the idle row is, by where the step ran
-    "cpu": "the steps' wall time outside every aten operator's self time: Python, the autograd engine, the "
-           "data loader, the profiler's own bookkeeping",
-    "cuda": "the steps' wall time in which no kernel or copy ran on the GPU (the kernels' times summed, "
-            "as if on one stream)"}
 
 
 def build_parser():
@@ -133,6 +113,10 @@ def build_parser():
                         f"{SMALL_ACCUM} micro-batches on a CPU and with --quick)")
     p.add_argument("--steps", type=fineweb.positive_int, default=None, help="timed optimizer steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (compilation, caches)")
+    p.add_argument("--isolate", default="auto", choices=["auto", "1", "0"],
+                   help="train: each timed run (and the profile) in a fresh process of its own, so that one that "
+                        "crashes or breaks the device (a CUDA error spoils the whole process) is its own failed row "
+                        "and the next starts clean; auto: on CUDA")
     p.add_argument("--profile", action="store_true",
                    help="train: also profile the project's step (at the first -B) with torch.profiler: a table of "
                         "its time by category, and the Chrome trace, gzipped, beside --json (X.json: "
@@ -152,6 +136,7 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(f"--device: {e}")
     device_type = args.device.split(":")[0]
+    args.isolate = args.isolate == "1" or (args.isolate == "auto" and device_type == "cuda")
     sizes = train_sizes(args, device_type)
     if sizes["n_embd"] % sizes["n_head"]:
         p.error(f"--n_embd {sizes['n_embd']} is not divisible by --n_head {sizes['n_head']}")
@@ -254,16 +239,40 @@ def train_sizes(args, device_type):
 
 # ----------------------------------------------------------------------------- matmul
 
-def bench_matmul(args, device, record):
-    """The device's dense matmul rate in the benchmark's dtype, measured: the ceiling that
-    the FLOP rates of the other parts are read against (on a CPU no datasheet gives one)."""
-    device_type = device.split(":")[0]
-    dtype = pick_dtype(args.dtype, device_type)
-    n = 256 if args.quick else 8192 if device_type == "cuda" else 2048
+def ceiling_sizes(device, quick):
+    """(n, the side of the matmul's n x n matrices, and the bytes of the copy) that device_ceilings times:
+    the copy larger than the caches."""
+    on_cuda = device.startswith("cuda")
+    return (256 if quick else 8192 if on_cuda else 2048), (2**30 if on_cuda else 2**26 if quick else 2**28)
+
+
+@functools.cache
+def device_ceilings(device, dtype, quick):
+    """{FLOPS: the device's dense matmul rate in dtype, BYTES: its copy bandwidth}, per second, measured
+    once a run (on a CPU no datasheet gives either): a product of random n x n matrices, and a copy
+    within the device's memory, whose bytes read and written both count (ceiling_sizes)."""
+    n, copy_bytes = ceiling_sizes(device, quick)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    seconds = time_steps(lambda: a @ b, 3, 5 if args.quick else 20, device)
+    matmul = time_steps(lambda: a @ b, 3, 5 if quick else 20, device)
+    source = torch.empty(copy_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    copy = time_steps(lambda: target.copy_(source), 2, 5 if quick else 20, device)
+    a = b = source = target = None
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the timed runs start with the device's memory free
+    return {step_profile.FLOPS: 2 * n**3 / matmul, step_profile.BYTES: 2 * copy_bytes / copy}
+
+
+def bench_matmul(args, device, record):
+    """The device's two ceilings (device_ceilings): the rates that the other parts' FLOP rates and the
+    profile's floors are read against."""
+    dtype = pick_dtype(args.dtype, device.split(":")[0])
+    ceilings = device_ceilings(device, dtype, args.quick)
+    n, copy_bytes = ceiling_sizes(device, args.quick)
     record(dict(name="matmul", variant="ceiling", config=f"{n}x{n} @ {n}x{n} {str(dtype).split('.')[1]}",
-                flops_per_sec=2 * n**3 / seconds))
+                flops_per_sec=ceilings[step_profile.FLOPS]))
+    record(dict(name="copy", variant="ceiling", config=f"{copy_bytes // 2**20:,} MiB float32, read + written",
+                bytes_per_sec=ceilings[step_profile.BYTES]))
 
 
 # ----------------------------------------------------------------------------- train
@@ -289,23 +298,35 @@ def train_model_config(sizes, vocab_size):
 
 
 SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
+# The judge's bounds, wide enough for bf16's noise and a first step's spike, far too narrow for a run that diverges:
+LOSS_RISE = 0.1      # no loss above its first by more than this fraction of it
+NORM_GROWTH = 100    # no gradient norm above this many times the first step's
+MIN_FALL = 0.002     # a run judged alone falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
 
 
 def training_problem(losses, grad_norms, reference=None, follow=False):
-    """Why a timed run did not train, or None: a gradient norm of 0 or not finite, a loss not finite,
-    or a loss that does not fall. The project's own run (no reference) must fall; any other must
-    fall at least half as far as reference's losses do over the same steps, and, with follow (the
-    train part's runs share the seed, the init and the data), stay within a quarter of that fall of
-    reference's loss at every step: bf16's noise passes that, a run that trains nothing does not. A
-    reference whose loss did not fall is no reference: the run is judged alone."""
+    """Why a timed run did not train, or None, from every step's loss and gradient norm: a gradient
+    norm of 0, not finite, or more than NORM_GROWTH times the first step's; a loss not finite or, at
+    any step, more than LOSS_RISE above the first. The project's own run (no reference) must fall at
+    least MIN_FALL of its first loss; any other must fall at least half as far as reference's losses
+    do over the same steps, and, with follow (the train part's runs share the seed, the init and the
+    data), stay within a quarter of that fall of reference's loss at every step: bf16's noise passes
+    that, a run that trains nothing does not. A reference that did not fall is no reference: the run
+    is judged alone."""
     for name, values in (("gradient norm", grad_norms), ("loss", losses)):
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v) or (name == "gradient norm" and v == 0)), None)
         if bad is not None:
             return f"its {name} at step {bad} is {values[bad]}"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
+    if (i := next((i for i, v in enumerate(losses) if v > losses[0] * (1 + LOSS_RISE)), None)) is not None:
+        return f"its loss rose to {losses[i]:.4f} at step {i}, from {losses[0]:.4f}"
     fall = losses[0] - losses[-1]
     expected = reference[0] - reference[-1] if reference else 0
     if expected <= 0:  # no reference, or one that did not train either: the run alone
-        return None if fall > 0 else f"its loss did not fall: {losses[0]:.4f} to {losses[-1]:.4f}"
+        least = MIN_FALL * losses[0]
+        return None if fall >= least else (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to "
+                                           f"{losses[-1]:.4f}), less than {least:.4f}")
     if fall < expected / 2:
         return f"its loss fell {fall:.4f} over {len(losses)} steps, the project's {expected:.4f}"
     apart = max(abs(a - b) for a, b in zip(losses, reference))
@@ -379,8 +400,11 @@ def bench_train(args, device, workdir, record):
         for variant, lever in train_runs(args, compile_model, device_type, with_levers=i == 0):
             levers = train_levers(variant, lever, compile_model)
             result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
-            result.update(time_train_run(sizes, B, levers, variant == "baseline", shard, device, dtype))
-            micro = result["micro_batch_size"]
+            result.update(run_isolated(args.isolate, time_train_run, sizes, B, levers, variant == "baseline", shard,
+                                       device, dtype))
+            micro = result.setdefault("micro_batch_size", B)  # smaller where the run halved it to fit
+            result.update(grad_accum_steps=micro_steps(total_batch(sizes, B), micro, T),
+                          total_batch_size=total_batch(sizes, B))
             halved = f" (halved from {B})" if micro != B else ""
             result["config"] = (f"L{sizes['n_layer']} C{sizes['n_embd']} B{micro}{halved} T{T} "
                                 f"accum={result['grad_accum_steps']} {str(dtype).split('.')[1]} "
@@ -390,13 +414,7 @@ def bench_train(args, device, workdir, record):
                 project = project or result
             record(result)
     if args.profile:
-        B = sizes["micro_batch_size"][0]
-        levers = train_levers("project", None, compile_model)
-        result = dict(name="profile", variant="project",
-                      config=f"L{sizes['n_layer']} C{sizes['n_embd']} B{B} T{T} accum={micro_steps(total_batch(sizes, B), B, T)} "
-                             f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
-        result.update(profile_train_steps(sizes, B, total_batch(sizes, B), levers, shard, device, dtype, args.trace))
-        record(result)
+        bench_profile(args, sizes, shard, device, dtype, record)
 
 
 def train_levers(variant, lever, compile_model):
@@ -418,10 +436,9 @@ def train_levers(variant, lever, compile_model):
 
 def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
     """The figures of train_gpt2.train_step, total_batch(sizes, B) tokens per optimizer step in
-    micro-steps of B, timed on a fresh model, or {"out_of_memory": True}, or {"error": why}; with
-    the micro-batch, accumulation and total batch. With shrink_to_fit, a step that runs out of
-    memory runs again at half the micro-batch, as the trainer's under -B auto (train_step_fitting):
-    the same tokens per step, at what fits."""
+    micro-steps of B, timed on a fresh model, with the micro-batch it ran at, or {"out_of_memory": True},
+    or {"error": why}. With shrink_to_fit, a step that runs out of memory runs again at half the
+    micro-batch, as the trainer's under -B auto (train_step_fitting): the same tokens per step, at what fits."""
     total, T = total_batch(sizes, B), sizes["seq_len"]
     device_type = device.split(":")[0]
 
@@ -437,10 +454,38 @@ def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
                     peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None,
                     losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps],
                     micro_batch_size=loader.B)
-    result = train_run(sizes, B, total, levers, shard, device, dtype, measure)
-    micro_batch_size = result.get("micro_batch_size", B)
-    return dict(result, micro_batch_size=micro_batch_size, grad_accum_steps=micro_steps(total, micro_batch_size, T),
-                total_batch_size=total)
+    return train_run(sizes, B, total, levers, shard, device, dtype, measure)
+
+
+def run_isolated(isolate, run, *args):
+    """run(*args), a timed run that returns its figures: here, or where isolate, in a fresh process
+    (spawned: CUDA cannot be forked), so that a run that crashes its process, or whose CUDA error
+    leaves the process's CUDA context unusable, costs its own row only, {"error": why}, and the next
+    run starts on a clean device."""
+    if not isolate:
+        return run(*args)
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=send_run, args=(sender, run, args))
+    process.start()
+    sender.close()  # the child's copy is the only one left: its death ends the wait below
+    try:
+        result = receiver.recv()
+    except EOFError:
+        result = None
+    process.join()
+    if result is None:
+        code = process.exitcode
+        error = f"its process died ({f'signal {signal.Signals(-code).name}' if code < 0 else f'exit code {code}'})"
+        print(f"warning: {run.__name__}: {error}", file=sys.stderr)
+        return {"error": error}
+    return result
+
+
+def send_run(sender, run, args):
+    """The child's side of run_isolated: the settings main makes for every run, then run's figures."""
+    devices.allow_tf32()
+    sender.send(run(*args))
 
 
 def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure):
@@ -481,20 +526,23 @@ def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, d
 
 # ----------------------------------------------------------------------------- profile
 
-def profile_category(name):
-    """The category of an operator's or kernel's name: the first of PROFILE_CATEGORIES that matches."""
-    return next(category for category, pattern in PROFILE_CATEGORIES if re.search(pattern, name, re.IGNORECASE))
-
-
-def operator_category(event):
-    """The category of a CPU event: its name's, or where that is element-wise, that of the nearest
-    event around it whose name has another (see PROFILE_CATEGORIES)."""
-    while event is not None:
-        category = profile_category(event.name)
-        if category != "element-wise":
-            return category
-        event = event.cpu_parent
-    return "element-wise"
+def bench_profile(args, sizes, shard, device, dtype, record):
+    """The project's step at the first -B profiled (profile_train_steps), each category's time beside
+    its floor at the device's ceilings (step_profile.floors), recorded as a result named profile."""
+    B, T = sizes["micro_batch_size"][0], sizes["seq_len"]
+    tokens = total_batch(sizes, B)
+    compile_model = compiles(args, device.split(":")[0])
+    levers = train_levers("project", None, compile_model)
+    result = dict(name="profile", variant="project",
+                  config=f"L{sizes['n_layer']} C{sizes['n_embd']} B{B} T{T} accum={micro_steps(tokens, B, T)} "
+                         f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
+    ceilings = device_ceilings(device, dtype, args.quick)
+    result.update(run_isolated(args.isolate, profile_train_steps, sizes, B, tokens, levers, shard, device, dtype,
+                               args.trace))
+    if "rows" in result:
+        work = step_profile.step_work(train_model_config(sizes, levers["vocab_size"]), tokens, dtype.itemsize)
+        result.update(step_profile.floors(result, work, ceilings))
+    record(result)
 
 
 def profile_steps(sizes):
@@ -504,7 +552,7 @@ def profile_steps(sizes):
 def profile_train_steps(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, trace):
     """train_step profiled for profile_steps(sizes) steps after max(1, --warmup) untimed ones (each
     tokens_per_step tokens in micro-batches of micro_batch_size); the Chrome trace written to trace.
-    Returns the figures of profile_table, with the number of steps and where the trace is, or
+    Returns the figures of step_profile.profile_table, with the number of steps and where the trace is, or
     {"out_of_memory": True} or {"error": why}."""
     device_type = device.split(":")[0]
     n_steps = profile_steps(sizes)
@@ -520,71 +568,12 @@ def profile_train_steps(sizes, micro_batch_size, tokens_per_step, levers, shard,
             for _ in range(n_steps):
                 train_step(trainable, loader, 6e-4)
             seconds = time.perf_counter() - t0
-        problem = export_trace(prof, trace)
+        problem = step_profile.export_trace(prof, trace)
         if problem:
             print(f"warning: could not write the trace {trace}: {problem}", file=sys.stderr)
-        return dict(profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps,
+        return dict(step_profile.profile_table(prof.events(), seconds, n_steps, device_type), steps=n_steps,
                     trace=None if problem else trace)
     return train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure)
-
-
-def export_trace(prof, path):
-    """Writes prof's Chrome trace to path, gzipped, whole or not at all; returns why it could not,
-    or None. torch writes PATH.tmp and renames it, and on a failed write (a full disk) only logs
-    it, leaving PATH.tmp and no trace: it writes under another name here, whose gzipped copy is
-    renamed to path once it is whole."""
-    partial = f"{path}.partial{os.getpid()}"
-    try:
-        prof.export_chrome_trace(partial)
-        if not os.path.isfile(partial):
-            return "torch's export wrote nothing (a full disk?)"
-        with open(partial, "rb") as trace, atomic_open(path) as f, gzip.GzipFile(fileobj=f, mode="wb") as compressed:
-            shutil.copyfileobj(trace, compressed)
-        return None
-    except OSError as e:
-        return e.strerror or str(e)
-    finally:
-        for leftover in (partial, partial + ".tmp"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-
-
-def profile_table(events, seconds, n_steps, device_type):
-    """Milliseconds per step and share of the step of each category, and idle, from the profiler's
-    events (prof.events()), counting self time only so that nothing nested is counted twice: on
-    CUDA the device's kernels and copies (self_device_time_total; the operators that launched them are
-    not counted again, nor record_function's spans on the GPU's timeline, as torch's own table sums
-    them), by their names; elsewhere the aten operators (self_cpu_time_total; the
-    autograd engine's and record_function's wrappers are not operators), by operator_category.
-    Shares are of the steps' wall time, or of the categories' sum where that is longer (streams that
-    overlap): they add up to 100 with idle."""
-    on_device = device_type == "cuda"
-    micros = dict.fromkeys([category for category, _ in PROFILE_CATEGORIES], 0.0)
-    for e in events:
-        if on_device and e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
-            micros[profile_category(e.name)] += e.self_device_time_total
-        elif not on_device and e.name.startswith("aten::"):
-            micros[operator_category(e)] += e.self_cpu_time_total
-    wall = 1e6 * seconds
-    whole = max(wall, sum(micros.values()))
-    micros["idle"] = whole - sum(micros.values())
-    rows = [dict(category=category, ms_per_step=us / 1000 / n_steps, share=100 * us / whole)
-            for category, us in micros.items()]
-    return dict(wall_ms_per_step=wall / 1000 / n_steps, rows=rows,
-                idle_means=PROFILE_IDLE["cuda" if on_device else "cpu"])
-
-
-def print_profile(result):
-    print(f"\nprofile of train's step: {result['config']}")
-    if "rows" not in result:
-        print("out of memory" if result.get("out_of_memory") else f"failed, {result.get('error')}")
-        return
-    print(f"{result['steps']} steps profiled, {result['wall_ms_per_step']:,.1f} ms per step under the profiler")
-    print(f"{'category':<14}{'ms/step':>10}{'share':>8}")
-    for row in result["rows"]:
-        print(f"{row['category']:<14}{row['ms_per_step']:>10,.1f}{row['share']:>7.1f}%")
-    print(f"idle: {result['idle_means']}")
-    print(f"trace: {result['trace'] or 'not written'}")
 
 
 # ----------------------------------------------------------------------------- loader
@@ -809,8 +798,8 @@ def fmt(value, unit=""):
         return "-"
     if unit == "B":
         return f"{value / 2**20:,.0f} MiB"
-    if unit == "T":
-        return f"{value / 1e12:.3g}"
+    if unit in ("T", "G"):
+        return f"{value / {'T': 1e12, 'G': 1e9}[unit]:.3g}"
     if unit == "%":
         return f"{100 * value:.1f}%"
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
@@ -821,7 +810,7 @@ def print_table(results):
                ("tok/s", "tokens_per_sec", ""), ("ms/step", "ms_per_step", ""), ("MFU", "mfu", "%"),
                ("peak mem", "peak_mem_bytes", "B"), ("batches/s", "batches_per_sec", ""),
                ("RSS added", "rss_bytes", "B"), ("examples/s", "examples_per_sec", ""),
-               ("TFLOP/s", "flops_per_sec", "T")]
+               ("TFLOP/s", "flops_per_sec", "T"), ("GB/s", "bytes_per_sec", "G")]
 
     def label(r, key):
         if key == "variant" and "lever" in r:
@@ -893,7 +882,7 @@ def main(argv=None):
     print_table(report["results"])
     for result in report["results"]:
         if result["name"] == "profile":
-            print_profile(result)
+            step_profile.print_profile(result)
 
 
 if __name__ == "__main__":

@@ -231,13 +231,22 @@ def llmc_make_command(gpu_arch, cudnn_include=None, wheel=None, toolkit_lib=None
     return command
 
 
-def cudnn_wheel_files():
-    """(headers, versioned library) of the nvidia-cudnn wheel beside torch, or None without one."""
+def nvidia_wheels():
+    """The folder of the nvidia-* wheels beside torch (the nvidia namespace package: cudnn/, cublas/,
+    ...), or None without one. The one place that says where they are: the tests point it elsewhere."""
     try:
-        import nvidia.cudnn
+        import nvidia
     except ImportError:
         return None
-    root = list(nvidia.cudnn.__path__)[0]
+    return list(nvidia.__path__)[0]
+
+
+def cudnn_wheel_files():
+    """(headers, versioned library) of the nvidia-cudnn wheel beside torch, or None without one."""
+    wheels = nvidia_wheels()
+    if wheels is None:
+        return None
+    root = os.path.join(wheels, "cudnn")
     include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
     versioned = sorted(glob.glob(os.path.join(glob.escape(lib), "libcudnn.so.*")))
     return (include, versioned[0]) if os.path.isdir(include) and versioned else None
@@ -258,16 +267,17 @@ def cudnn_wheel(scratch):
     return include, link, os.path.dirname(versioned)
 
 
-def llmc_run_command(binary, patterns, config, zero):
+def llmc_run_command(binary, patterns, config, run):
     """train_gpt2cu on a fresh GPT-2 (124M), its sizes and steps config's (a PeersConfig), on the
-    token files of patterns (train, val), no recompute, ZeRO stage zero (0 or 1), no evaluation but
-    at the first and last step (which the timing leaves out), no sampling, HellaSwag or
-    checkpoints; the recipe's lr, 6e-4 warmed up over config.warmup steps and decayed to 10%."""
+    token files of patterns (train, val), no recompute, run's ZeRO stage and GELU fusion (an LlmcRun),
+    no evaluation but at the first and last step (which the timing leaves out), no sampling,
+    HellaSwag or checkpoints; the recipe's lr, 6e-4 warmed up over config.warmup steps and decayed to 10%."""
     steps = config.run_steps
+    fusion = [] if run.gelu_fusion is None else ["-ge", str(run.gelu_fusion)]
     return [binary, "-i", patterns[0], "-j", patterns[1], "-e", "d12", "-b", str(config.micro_batch_size),
-            "-t", str(config.seq_len), "-d", str(config.total_batch_size), "-x", str(steps), "-r", "0", "-z", str(zero),
-            "-v", str(10 * steps + 1), "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006", "-u", str(config.warmup),
-            "-c", "0.1", "-q", "0.1"]
+            "-t", str(config.seq_len), "-d", str(config.total_batch_size), "-x", str(steps), "-r", "0",
+            "-z", str(run.zero), *fusion, "-v", str(10 * steps + 1), "-s", "0", "-h", "0", "-n", "0", "-l", "0.0006",
+            "-u", str(config.warmup), "-c", "0.1", "-q", "0.1"]
 
 
 def project_command(data_dir, log_dir, B, T, total_batch_size, steps, warmup):
@@ -414,10 +424,50 @@ def llmc_builds(config, scratch_of):
     return builds
 
 
-def llmc_runs(build):
-    """(variant, ZeRO stage) of each run of an llm.c build: the plain build at stage 1, each cuDNN
-    build at 0 and 1 (-z: which is faster on one GPU was seen to differ from machine to machine)."""
-    return [(build, 1)] if build == "llm.c" else [(f"{build}-z{zero}", zero) for zero in (0, 1)]
+@dataclass
+class LlmcRun:
+    variant: str
+    zero: int  # -z: ZeRO stage
+    gelu_fusion: int = None  # -ge: GELU fused into cuBLASLt's matmul, 1 forward, 2 forward and backward; None: llm.c's default
+
+    def settings(self):
+        """{name: value} of what this run asks, as llm.c's table of its settings prints them."""
+        return {"zero_stage": str(self.zero), **({} if self.gelu_fusion is None else {"gelu_fusion": str(self.gelu_fusion)})}
+
+
+# The usage line of llm.c's -ge: a train_gpt2.cu without it would read -ge as -g (genT), silently.
+LLMC_GELU_FUSION = "-ge <int>"
+
+
+def takes_gelu_fusion(scratch):
+    """Whether the llm.c in scratch (a scratch copy: regular files) has the -ge flag."""
+    with open(os.path.join(scratch, "train_gpt2.cu"), encoding="utf-8", errors="replace") as f:
+        return LLMC_GELU_FUSION in f.read()
+
+
+def llmc_runs(build, gelu_fusion):
+    """The runs (LlmcRun) of an llm.c build: the plain build at ZeRO stage 1; each cuDNN build at 0 and 1
+    (-z: which is faster on one GPU was seen to differ from machine to machine), and, where gelu_fusion
+    (the build takes -ge), at stage 0 with each GELU fusion, its fastest configuration on an H100 or
+    later by llm.c's own account (off by default at its HEAD). On one GPU stage 1 shards over one rank:
+    its difference from stage 0 is measured once, without the fusion."""
+    if build == "llm.c":
+        return [LlmcRun(build, 1)]
+    return [LlmcRun(f"{build}-z{zero}", zero) for zero in (0, 1)] + [
+        LlmcRun(f"{build}-z0-ge{fusion}", 0, fusion) for fusion in ((1, 2) if gelu_fusion else ())]
+
+
+LLMC_SETTING = re.compile(r"^\| (\w+) +\| (.*?) *\|$")  # a row of the table of its settings that llm.c prints
+
+
+def settings_that_ran(text, asked):
+    """asked ({name: value}) as llm.c's output text says it ran; PeerError where it ran otherwise."""
+    ran = {m.group(1): m.group(2) for line in text.splitlines()
+           if (m := LLMC_SETTING.match(line)) and m.group(1) in asked}
+    if wrong := [f"{name} {ran.get(name, 'unsaid')}, not {value}" for name, value in asked.items()
+                 if ran.get(name) != value]:
+        raise PeerError(f"llm.c ran with {'; '.join(wrong)} as asked")
+    return ran
 
 
 def loaded_cudnn(binary):
@@ -459,12 +509,15 @@ class PeerRuns:
         self.size = f"B{config.micro_batch_size} T{config.seq_len} {config.total_batch_size:,} tokens/step"
         self.results = []
 
-    def measure(self, variant, program, command, cwd, about=None):
-        """Runs command, a program's command line, in cwd, and records its figures, with about."""
+    def measure(self, variant, program, command, cwd, about=None, settings=None):
+        """Runs command, a program's command line, in cwd, and records its figures, with about; and,
+        where settings ({name: value}) is given, llm.c's own record that it ran with them (ran)."""
         result = dict(name="peers", variant=variant, config=self.size, **(about or {}))
         try:
             text = run(command, cwd, os.path.join(self.workdir, f"{variant}.log"), self.config.timeout)
             timed = read_log(program, text, self.config.total_batch_size, self.config.warmup)
+            if settings:
+                timed["ran"] = settings_that_ran(text, settings)
         except PeerError as e:
             return self.fail(variant, e)
         self.keep(self.judge(dict(result, **timed), self.results[0] if self.results else None))
@@ -511,16 +564,26 @@ def bench_peers(config, workdir, record, judge):
             except PeerError as e:
                 runs.fail(build, e)
                 continue
-            cudnn = None if build == "llm.c" else dict(cudnn=loaded_cudnn(os.path.join(scratch, "train_gpt2cu")))
-            for variant, zero in llmc_runs(build):
-                command = llmc_run_command("./train_gpt2cu", patterns, config, zero)
-                runs.measure(variant, "llm.c", command, scratch, cudnn)
+            measure_llmc(runs, build, scratch, patterns)
     finally:  # a run cut short leaves no build behind
         for _, make, _ in builds.values():
             if isinstance(make, subprocess.Popen) and make.poll() is None:
                 make.kill()
                 make.wait()
     print_ratios(runs.results)
+
+
+def measure_llmc(runs, build, scratch, patterns):
+    """Each run of an llm.c build that built in scratch (llmc_runs), recorded with the cuDNN its binary
+    loads and what llm.c says it ran; a cuDNN build whose llm.c has no -ge says so in a row of its own."""
+    about = None if build == "llm.c" else dict(cudnn=loaded_cudnn(os.path.join(scratch, "train_gpt2cu")))
+    fusion = takes_gelu_fusion(scratch)
+    for run in llmc_runs(build, fusion):
+        command = llmc_run_command("./train_gpt2cu", patterns, runs.config, run)
+        runs.measure(run.variant, "llm.c", command, scratch, about, run.settings())
+    if build != "llm.c" and not fusion:
+        runs.fail(f"{build}-ge", PeerError(f"this llm.c has no -ge (GELU fusion): no `{LLMC_GELU_FUSION}` in its "
+                                           f"train_gpt2.cu"))
 
 
 def print_ratios(results):
@@ -547,11 +610,8 @@ def library_dirs():
     rpath is one), LD_LIBRARY_PATH's, the nvidia wheels' beside torch, and the loader cache's (ldconfig -p)."""
     places = {"toolkit": nvcc_library_dirs(),
               "LD_LIBRARY_PATH": [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]}
-    try:
-        import nvidia
-        places["wheels"] = sorted(glob.glob(os.path.join(glob.escape(list(nvidia.__path__)[0]), "*", "lib")))
-    except ImportError:
-        places["wheels"] = []
+    wheels = nvidia_wheels()
+    places["wheels"] = sorted(glob.glob(os.path.join(glob.escape(wheels), "*", "lib"))) if wheels else []
     try:
         cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):

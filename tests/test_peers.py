@@ -7,7 +7,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -35,6 +34,9 @@ HELLASWAG_SCRIPT = '''import os
 import tiktoken
 enc = tiktoken.get_encoding("gpt2")
 '''
+# What peers.py reads of llm.c's train_gpt2.cu: the usage line of its GELU fusion flag, in a stand-in file.
+LLMC_SOURCE = '''    fprintf(stderr, "  -ge <int>   gelu fusion: 0=none, 1=forward, 2=forward+backward (default: 2 for >=SM90, 0 for older GPUs)\\n");
+'''
 # The out-of-memory fallback of llm.c's cuda_utils.cuh, in a stand-in file.
 LLMC_FALLBACK = '''int cudaMallocConditionallyManaged(void** out, size_t bytes, const char *file, int line) {
     cudaError_t err = cudaMalloc(out, bytes);
@@ -46,6 +48,18 @@ LLMC_FALLBACK = '''int cudaMallocConditionallyManaged(void** out, size_t bytes, 
     }
 }
 '''
+
+
+NVIDIA_WHEELS = peers.nvidia_wheels  # the real one, which the fixture below replaces
+
+
+@pytest.fixture(autouse=True)
+def no_libraries_but_the_tests(monkeypatch):
+    """The machine's own CUDA libraries out of sight: no nvidia-* wheels beside torch (a CUDA build of
+    torch brings nvidia-cudnn's) and no LD_LIBRARY_PATH, so that each test sees only the stand-ins it
+    makes, whether or not the machine has the real ones."""
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: None)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
 
 
 def make_checkout(root, files):
@@ -64,7 +78,7 @@ def build_nanogpt(tmp_path):
 
 @pytest.fixture
 def llmc(tmp_path):
-    return make_checkout(tmp_path / "llm.c", {"train_gpt2.cu": "", "Makefile": "", "llmc/cuda_utils.cuh": LLMC_FALLBACK})
+    return make_checkout(tmp_path / "llm.c", {"train_gpt2.cu": LLMC_SOURCE, "Makefile": "", "llmc/cuda_utils.cuh": LLMC_FALLBACK})
 
 
 def test_llmc_token_files_hold_the_shards_tokens_behind_llmc_header(tmp_path):
@@ -184,8 +198,11 @@ def test_llmc_fails_where_it_would_fall_back_to_managed_memory(llmc, tmp_path):
 def test_llmc_commands(tmp_path):
     config = peers.PeersConfig("", "", micro_batch_size=64, seq_len=1024, total_batch_size=524288, steps=20, warmup=5,
                                gpu_arch="90", timeout=60)
-    run = peers.llmc_run_command("./train_gpt2cu", ("d/*_train_*.bin", "d/*_val_*.bin"), config, 0)
+    run = peers.llmc_run_command("./train_gpt2cu", ("d/*_train_*.bin", "d/*_val_*.bin"), config, peers.LlmcRun("x", 0))
     flags = dict(zip(run[1::2], run[2::2]))
+    assert "-ge" not in flags  # llm.c's default: no GELU fusion
+    fused = peers.llmc_run_command("./train_gpt2cu", ("t", "v"), config, peers.LlmcRun("x", 1, gelu_fusion=2))
+    assert dict(zip(fused[1::2], fused[2::2]))["-ge"] == "2" and dict(zip(fused[1::2], fused[2::2]))["-z"] == "1"
     assert (flags["-i"], flags["-j"]) == ("d/*_train_*.bin", "d/*_val_*.bin")
     assert (flags["-b"], flags["-t"], flags["-d"], flags["-x"], flags["-r"], flags["-e"], flags["-z"]) == (
         "64", "1024", "524288", "26", "0", "d12", "0")
@@ -250,9 +267,7 @@ def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeyp
     (wheel / "include").mkdir(parents=True)
     (wheel / "lib").mkdir()
     (wheel / "lib" / "libcudnn.so.9").write_bytes(b"")
-    cudnn = types.SimpleNamespace(__path__=[str(wheel)])
-    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(wheel.parent)], cudnn=cudnn))
-    monkeypatch.setitem(sys.modules, "nvidia.cudnn", cudnn)
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: str(wheel.parent))
     found = peers.cudnn_wheel(str(tmp_path / "scratch"))
     link = tmp_path / "scratch" / "cudnn-link"
     assert found == (str(wheel / "include"), str(link), str(wheel / "lib"))
@@ -260,8 +275,21 @@ def test_cudnn_from_the_wheel_beside_torch_is_found_and_linked(tmp_path, monkeyp
     command = peers.llmc_make_command("90", "/front/include", found)
     assert f"CUDNN_FRONTEND_PATH=/front/include -I{wheel / 'include'}" in command
     assert f"NVCC_LDLIBS=-lnvrtc -lcuda -L{link} -Xlinker -rpath={wheel / 'lib'}" in command
-    monkeypatch.setitem(sys.modules, "nvidia.cudnn", None)  # no wheel: the system's cuDNN
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: str(tmp_path / "elsewhere"))  # nvidia wheels, not cuDNN's
     assert peers.cudnn_wheel(str(tmp_path / "scratch")) is None
+    monkeypatch.setattr(peers, "nvidia_wheels", lambda: None)  # none at all: the system's cuDNN
+    assert peers.cudnn_wheel(str(tmp_path / "scratch")) is None
+
+
+def test_the_nvidia_wheels_are_where_the_nvidia_package_lies(tmp_path, monkeypatch):
+    """The wheels' folder is the nvidia namespace package's, wherever Python finds it; None without one."""
+    (tmp_path / "nvidia" / "cudnn").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [name for name in sys.modules if name == "nvidia" or name.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert NVIDIA_WHEELS() == str(tmp_path / "nvidia")
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # as if not installed: the import fails
+    assert NVIDIA_WHEELS() is None
 
 
 LOGS = {
@@ -378,17 +406,16 @@ PROJECT_STEPS = "".join(f"print('step {i:5d} | loss {10.9 - i} | lr 6e-4 | norm 
                         f"mem 1.0GiB')\n" for i in range(4))
 
 
-@pytest.mark.parametrize("llmc_fault", ["no_make", "make_fails", "changed_source"])
-def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path, monkeypatch, capsys, llmc_fault):
-    """llm.c's builds start first: no make, a failed build (its last lines kept) or a source the
-    adaptation does not know must cost llm.c's results only, one row a build. The checkout is named relatively,
-    as gpu.sh's PEERS=.peers does, and make gets the GPU's compute capability and absolute paths."""
+def stand_in_peers(tmp_path, monkeypatch, cuda_utils=LLMC_FALLBACK, source=LLMC_SOURCE):
+    """Checkouts in tmp_path/peers of llm.c (cudnn-frontend's headers inside; cuda_utils.cuh and
+    train_gpt2.cu as given) and of build-nanogpt (its script prints step lines), the project's command
+    a stand-in too, a system cuDNN to build with, tmp_path the working directory; the config of a tiny
+    run on them, the checkouts named relatively, as gpu.sh's PEERS=.peers does."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     make_checkout(tmp_path / "peers" / "llm.c", {
-        "train_gpt2.cu": "", "Makefile": "", "cudnn-frontend/include/cudnn_frontend.h": "",
-        "llmc/cuda_utils.cuh": LLMC_FALLBACK.replace("cudaMemAdvise", "cudaMemAdviseV2")
-        if llmc_fault == "changed_source" else LLMC_FALLBACK})
+        "train_gpt2.cu": source, "Makefile": "", "cudnn-frontend/include/cudnn_frontend.h": "",
+        "llmc/cuda_utils.cuh": cuda_utils})
     make_checkout(tmp_path / "peers" / "build-nanogpt", {
         "train_gpt2.py": BUILD_NANOGPT_SCRIPT + "import types\ntorch = types.SimpleNamespace(cuda=types.SimpleNamespace("
                          "max_memory_allocated=lambda: 2**30))\n" + PROJECT_STEPS.replace("| loss", "| loss:").replace(
@@ -396,15 +423,24 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
         "hellaswag.py": HELLASWAG_SCRIPT})
     monkeypatch.setattr(peers, "project_command", lambda *args: [sys.executable, "-c", PROJECT_STEPS])
     monkeypatch.setattr(peers, "system_cudnn", lambda: "/usr/lib/libcudnn.so")  # as if there were one to build with
+    os.makedirs("work")
+    return peers.PeersConfig(os.path.join("peers", "llm.c"), os.path.join("peers", "build-nanogpt"),
+                             micro_batch_size=2, seq_len=8, total_batch_size=16, steps=2, warmup=1, gpu_arch="90",
+                             timeout=60)
+
+
+@pytest.mark.parametrize("llmc_fault", ["no_make", "make_fails", "changed_source"])
+def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path, monkeypatch, capsys, llmc_fault):
+    """llm.c's builds start first: no make, a failed build (its last lines kept) or a source the
+    adaptation does not know must cost llm.c's results only, one row a build. make gets the GPU's
+    compute capability and absolute paths."""
+    config = stand_in_peers(tmp_path, monkeypatch, LLMC_FALLBACK.replace("cudaMemAdvise", "cudaMemAdviseV2")
+                            if llmc_fault == "changed_source" else LLMC_FALLBACK)
     bin_dir = tmp_path / "bin"
     if llmc_fault == "make_fails":
         fake_program(bin_dir, "make", f'echo "$@" >> {tmp_path}/make-args\ni=1; while [ $i -le 40 ]; do echo $i; i=$((i + 1)); done\necho "nvcc fatal: oops"\nexit 2\n')
     monkeypatch.setenv("PATH", str(bin_dir))  # no make and no nvcc, but for that fake make (shell builtins only)
-    config = peers.PeersConfig(os.path.join("peers", "llm.c"), os.path.join("peers", "build-nanogpt"),
-                               micro_batch_size=2, seq_len=8, total_batch_size=16, steps=2, warmup=1, gpu_arch="90",
-                               timeout=60)
     results = []
-    os.makedirs("work")
     peers.bench_peers(config, "work", results.append, bench.judged)
     assert [r["variant"] for r in results] == ["project", "build-nanogpt", "llm.c", "llm.c-cudnn-system"]
     assert [r["ms_per_step"] for r in results[:2]] == [10.0, 10.0]
@@ -423,6 +459,57 @@ def test_a_failing_llmc_is_an_error_line_and_the_other_peers_still_run(tmp_path,
                           "cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId), file, line);`, found 0"] * 2
     err = capsys.readouterr().err
     assert err.count("warning: peers: llm.c") == 2 and "Traceback" not in err
+
+
+# A stand-in for llm.c's train_gpt2cu, as the stand-in make builds it: the rows of llm.c's table of its
+# settings that the peers ask for, -ge taken or (IGNORES_GE) not, then five step lines; its arguments logged.
+LLMC_PROGRAM = """#!{python}
+import sys
+flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+with open({calls!r}, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+print(f"| gelu_fusion           | {{'0' if {ignores_ge} else flags.get('-ge', '0'):<50}} |")
+print(f"| zero_stage            | {{flags['-z']:<50}} |")
+for i, loss in enumerate([10.9, 9.5, 8.1, 7.0, 6.5], 1):
+    print(f"step {{i:4d}}/5 | loss {{loss}} (+0.00z)| norm 1.0000 (+0.00z)| lr 1.00e-05 | 10.00 ms | 1 tok/s")
+"""
+
+
+@pytest.mark.parametrize("llmc_ge", ["takes", "ignores", "lacks"])
+def test_llmc_runs_each_gelu_fusion_its_cudnn_builds_take_with_its_record_of_what_ran(tmp_path, monkeypatch, llmc_ge):
+    """llm.c at its fastest: each cuDNN build also at -ge 1 and -ge 2 (its GELU fused into cuBLASLt's
+    matmuls), one row a setting, each with llm.c's own record of what it ran; a run whose llm.c did not
+    take the setting is no answer (a failed row), and an llm.c without -ge (which would read it as -g,
+    silently) gets one row that says so instead."""
+    config = stand_in_peers(tmp_path, monkeypatch, source="" if llmc_ge == "lacks" else LLMC_SOURCE)
+    program = tmp_path / "train_gpt2cu"
+    program.write_text(LLMC_PROGRAM.format(python=sys.executable, calls=str(tmp_path / "calls"),
+                                           ignores_ge=llmc_ge == "ignores"))
+    program.chmod(0o755)
+    fake_program(tmp_path / "bin", "make", f"/bin/cp {program} train_gpt2cu\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    results = []
+    peers.bench_peers(config, "work", results.append, bench.judged)
+    rows = {r["variant"]: r for r in results}
+    cudnn = [f"llm.c-cudnn-system-{run}" for run in ("z0", "z1", "z0-ge1", "z0-ge2")]
+    assert list(rows) == ["project", "build-nanogpt", "llm.c"] + (
+        cudnn[:2] + ["llm.c-cudnn-system-ge"] if llmc_ge == "lacks" else cudnn)
+    calls = [dict(zip(line.split()[::2], line.split()[1::2])) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert [(flags["-z"], flags.get("-ge")) for flags in calls] == [("1", None), ("0", None), ("1", None)] + (
+        [] if llmc_ge == "lacks" else [("0", "1"), ("0", "2")])
+    for variant in ["llm.c"] + cudnn[:2]:
+        assert rows[variant]["ran"] == {"zero_stage": variant[-1] if "-z" in variant else "1"}
+        assert rows[variant]["tokens_per_sec"] == 16 / 0.01 and rows[variant].get("cudnn", "unknown") == "unknown"
+    if llmc_ge == "takes":
+        for fusion in ("1", "2"):
+            row = rows[f"llm.c-cudnn-system-z0-ge{fusion}"]
+            assert row["ran"] == {"zero_stage": "0", "gelu_fusion": fusion} and row["tokens_per_sec"] > 0
+    elif llmc_ge == "ignores":
+        assert [rows[f"llm.c-cudnn-system-z0-ge{fusion}"]["error"] for fusion in ("1", "2")] == [
+            f"llm.c ran with gelu_fusion 0, not {fusion} as asked" for fusion in ("1", "2")]
+    else:
+        assert rows["llm.c-cudnn-system-ge"]["error"] == (
+            "this llm.c has no -ge (GELU fusion): no `-ge <int>` in its train_gpt2.cu")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("ldd") is None, reason="needs a C compiler and ldd")
@@ -455,9 +542,13 @@ def test_llmc_is_built_against_each_cudnn_the_machine_has(llmc, tmp_path, monkey
     (plain, _), (wheel, _), (system, _) = builds.values()
     assert "USE_CUDNN=0" in plain and "USE_CUDNN=1" in wheel and "USE_CUDNN=1" in system
     assert f"-rpath={tmp_path}" in wheel[-1] and "-lcudnn" not in system[-1] and f"-I{tmp_path}" not in " ".join(system)
-    assert [peers.llmc_runs(build) for build in builds] == [
-        [("llm.c", 1)], [("llm.c-cudnn-wheel-z0", 0), ("llm.c-cudnn-wheel-z1", 1)],
-        [("llm.c-cudnn-system-z0", 0), ("llm.c-cudnn-system-z1", 1)]]
+    runs = [[(run.variant, run.zero, run.gelu_fusion) for run in peers.llmc_runs(build, gelu_fusion=True)]
+            for build in builds]
+    assert runs == [[("llm.c", 1, None)],
+                    *[[(f"{build}-z0", 0, None), (f"{build}-z1", 1, None), (f"{build}-z0-ge1", 0, 1),
+                       (f"{build}-z0-ge2", 0, 2)] for build in ("llm.c-cudnn-wheel", "llm.c-cudnn-system")]]
+    assert [run.variant for run in peers.llmc_runs("llm.c-cudnn-wheel", gelu_fusion=False)] == [
+        "llm.c-cudnn-wheel-z0", "llm.c-cudnn-wheel-z1"]  # an llm.c without -ge
     monkeypatch.setattr(peers, "cudnn_wheel_files", lambda: None)
     monkeypatch.setattr(peers, "system_cudnn", lambda: None)
     builds = peers.llmc_builds(config, lambda build: str(tmp_path / "work" / build))
