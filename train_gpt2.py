@@ -331,15 +331,16 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
     or gradient is not finite. Returns once the device has finished, so the caller's clock times
     the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
     [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
-    raises StepOutOfMemory, the weights and optimizer untouched and the loader back at the step's
-    start. A stop never waits for a long step (torchrun SIGKILLs). A gradient of norm exactly 0 at a
-    finite loss, which no working configuration gives, is a RunError on every rank before the step."""
+    raises StepOutOfMemory, the weights and optimizer untouched and the loader and random state back
+    at the step's start (step_start). A stop never waits for a long step (torchrun SIGKILLs). A
+    gradient of norm exactly 0 at a finite loss, which no working configuration gives, is a
+    RunError on every rank before the step."""
     ddp = trainable.ddp() is not None
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     trainable.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=trainable.device)
-    start = loader.state_dict()
+    rewind = step_start(loader, trainable.device)
     out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
     grad_accum_steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
     for micro_step in range(grad_accum_steps):
@@ -353,7 +354,7 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
         stop, out_of_memory = stop_requested(out_of_memory)
         if stop or out_of_memory:
-            loader.load_state_dict(start)
+            rewind()
             if out_of_memory:
                 raise StepOutOfMemory
             return None
@@ -364,9 +365,24 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         except torch.OutOfMemoryError:
             out_of_memory = True
     if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
-        loader.load_state_dict(start)
+        rewind()
         raise StepOutOfMemory
     return optimizer_step(trainable, loss_sum, lr)
+
+
+def step_start(loader, device):
+    """A function that puts back what a dropped step has moved on: the loader's position and the
+    random state that draws dropout's masks (the CPU generator's, and on a GPU its own). The step,
+    run again here or from the checkpoint a stop writes, then draws the masks it would have."""
+    position, cpu = loader.state_dict(), torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
+
+    def rewind():
+        loader.load_state_dict(position)
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+    return rewind
 
 
 def optimizer_step(trainable, loss_sum, lr):

@@ -83,6 +83,30 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
     assert_each_step_logged_once(tmp_path, 40)
 
 
+STOPPED_UNDER_DROPOUT = [*RUN, "--max_steps", "4", "--dropout", "0.1"]
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_sigterm_resume_under_dropout_gives_the_uninterrupted_losses(shards, tmp_path, optimizer, ranks):
+    """The step a SIGTERM drops has drawn dropout's masks in its forward pass: the checkpoint
+    written then holds the random state of the step's start, as it holds the loader's, so the
+    resumed steps draw the masks the uninterrupted run drew, on every rank."""
+    def run_into(log_dir, *flags):
+        args = [*STOPPED_UNDER_DROPOUT, "--optimizer", optimizer, *flags]
+        if ranks == 1:
+            return train(shards, log_dir, *args)
+        result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *args, "-B", "4")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_log(log_dir)
+
+    uninterrupted = run_into(tmp_path / "uninterrupted")
+    run_into(tmp_path / "stopped", "--fault", "sigterm@2")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000002.pt"]
+    resumed = run_into(tmp_path / "stopped")  # --resume auto
+    assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(uninterrupted)]
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_loses_and_repeats_nothing(shards, uninterrupted_long, tmp_path):
     proc = popen_train(shards, tmp_path, *LONG)
