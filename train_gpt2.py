@@ -43,6 +43,9 @@ from train_config import TrainConfig, micro_steps, seq_len_problem
 from trainable import StepConfig, Trainable, build_trainable, to_device
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
+# Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said
+# in a line first, so that a start-up is never silent that long. GPT-2 (124M) and up.
+SLOW_TO_BUILD = 100_000_000
 
 
 def parse_args(argv=None):
@@ -132,6 +135,8 @@ def build_model(cfg, device, log):
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
                    attention=ATTENTION_KERNELS[cfg.runtime.attention])
     init = None
+    if cfg.init_from == "scratch" and memory.n_params(cfg.model) >= SLOW_TO_BUILD:
+        log(f"building a GPT of {memory.n_params(cfg.model):,} parameters")
     if cfg.init_from != "scratch":
         log(f"initialising from {cfg.init_from}")
         try:
@@ -181,6 +186,8 @@ def load_data(cfg, gpt_config, micro_batch, procs):
                      vocab_size=gpt_config.vocab_size)
     train_loader = loader(train_paths, seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle))
     val_loader = loader(val_paths, shuffle=False) if val_paths else None
+    if cfg.runtime.check_data == "full":
+        procs.log(f"reading every token id of {len(train_paths) + len(val_paths)} shards (--check_data full)")
     for shard in train_loader.shards + (val_loader.shards if val_loader else []):
         shard.check_ids(gpt_config.vocab_size, full=cfg.runtime.check_data == "full")
     evaluation = cfg.eval
@@ -200,6 +207,10 @@ def restore_state(cfg, trainable, train_loader, log):
     """(the run's Checkpointer, handed the parts it saves and restores, and the step to start from):
     that of the checkpoint --resume names, restored into trainable and the loader, or 0."""
     saving = cfg.checkpoints
+    if saving.resume == "auto" and list_checkpoints(cfg.log_dir):
+        log(f"restoring the newest checkpoint in {cfg.log_dir}")
+    elif saving.resume not in ("auto", "none"):
+        log(f"restoring {saving.resume}")
     checkpointer = Checkpointer(cfg.log_dir, training_parts(trainable, train_loader), saving.checkpoint_interval,
                                 saving.keep_last, sharded=bool(cfg.scale.fsdp), async_save=saving.async_checkpoint,
                                 log=log)
@@ -212,14 +223,19 @@ def train(requested):
     """Trains the run that requested (a TrainConfig) describes, from its start or the checkpoint it
     resumes, and returns its GPT."""
     t_start = time.perf_counter()
-    run = setup(requested)
-    cfg, trainable, log = run.cfg, run.trainable, run.log
-    faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
-    bad_steps = 0  # non-finite steps in a row
-    val, stopped = None, False  # val: (step, loss) of the newest val loss
+    # Listening before start-up's slow work (building, loading, restoring, compiling): a stop asked
+    # for meanwhile is acted on before the first step, not lost.
     with distributed.StopSignal() as stop:
-        step = run.start_step
-        while True:
+        run = setup(requested)
+        cfg, trainable, log = run.cfg, run.trainable, run.log
+        faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
+        bad_steps = 0  # non-finite steps in a row
+        val = None  # (step, loss) of the newest val loss
+        step, stopped = run.start_step, stop.requested()[0]
+        if trainable.step_config.compile_mode and not stopped:
+            log(f"compiling the model (torch.compile, mode {trainable.step_config.compile_mode}): "
+                f"its first forward passes take longer")
+        while not stopped:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
                 run.checkpointer.save(step, cfg.flags())
@@ -234,10 +250,8 @@ def train(requested):
             faults.before_step(step)
             t0 = time.perf_counter()
             result = fitted_step(run, step, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
-            if result is None:
-                run.checkpointer.save(step, cfg.flags())
-                log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
-                stopped = True
+            stopped = result is None
+            if stopped:
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
@@ -245,8 +259,22 @@ def train(requested):
                 raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                f"the newest checkpoint in {cfg.log_dir} predates them: lower --max_lr or check the data")
             step += 1
+        if stopped:
+            stop_on_signal(run, step)
     finish(run, step, stopped, val, time.perf_counter() - t_start)
     return trainable.raw_model
+
+
+def stop_on_signal(run, step):
+    """A stop at step, the step in flight dropped: a checkpoint of the steps this run trained, and
+    none where it trained none (a stop during start-up or the first step): the state it started
+    from is the newest checkpoint's, or the start's, untouched."""
+    if step == run.start_step:
+        run.log(f"stopping on a signal at step {step}, before this run trained a step: nothing to save; "
+                f"the same command starts here again")
+        return
+    run.checkpointer.save(step, run.cfg.flags())
+    run.log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
 
 
 def fitted_step(run, step, lr, stop_requested):
