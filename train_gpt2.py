@@ -267,8 +267,8 @@ def train(requested):
 
 def stop_on_signal(run, step):
     """A stop at step, the step in flight dropped: a checkpoint of the steps this run trained, and
-    none where it trained none (a stop during start-up or the first step): the state it started
-    from is the newest checkpoint's, or the start's, untouched."""
+    none where it trained none (a stop during start-up or the first step), the checkpoint it
+    resumed from, if any, left as it is."""
     if step == run.start_step:
         run.log(f"stopping on a signal at step {step}, before this run trained a step: nothing to save; "
                 f"the same command starts here again")
@@ -303,8 +303,9 @@ def finish(run, step, stopped, val, seconds):
         run.log_dir_lock.close()
     cfg = run.cfg
     newest = list_checkpoints(cfg.log_dir)[-1:] if run.rank == 0 else []
-    trained = (f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}"
-               if run.start_step < cfg.schedule.max_steps else f"done: evaluated step {step}, no steps trained")
+    evaluated_only = not stopped and run.start_step >= cfg.schedule.max_steps
+    trained = (f"done: evaluated step {step}, no steps trained" if evaluated_only else
+               f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}")
     run.log(f"{trained}, {step * cfg.batch.total_batch_size:,} tokens, {tqdm.format_interval(seconds)} wall time, "
             f"{'no val loss' if val is None else f'val loss {val[1]:.4f} at step {val[0]}'}, last checkpoint "
             f"{newest[0] if newest else 'none'}")
