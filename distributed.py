@@ -115,13 +115,14 @@ def agree(error):
 
 class StopSignal:
     """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
-    to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once."""
+    to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once.
+    It may be entered before the ranks meet: their group is made at the first ask (requested),
+    which every rank reaches at the same point."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __enter__(self):
         self.received = None
-        host_group("signals")  # made here, where every rank is, not at a first ask
         self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
         return self
 

@@ -43,6 +43,9 @@ from train_config import TrainConfig, micro_steps, seq_len_problem
 from trainable import StepConfig, Trainable, build_trainable, to_device
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
+# Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said
+# in a line first, so that a start-up is never silent that long. GPT-2 (124M) and up.
+SLOW_TO_BUILD = 100_000_000
 
 
 def parse_args(argv=None):
@@ -132,6 +135,8 @@ def build_model(cfg, device, log):
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
                    attention=ATTENTION_KERNELS[cfg.runtime.attention])
     init = None
+    if cfg.init_from == "scratch" and memory.n_params(cfg.model) >= SLOW_TO_BUILD:
+        log(f"building a GPT of {memory.n_params(cfg.model):,} parameters")
     if cfg.init_from != "scratch":
         log(f"initialising from {cfg.init_from}")
         try:
@@ -181,6 +186,8 @@ def load_data(cfg, gpt_config, micro_batch, procs):
                      vocab_size=gpt_config.vocab_size)
     train_loader = loader(train_paths, seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle))
     val_loader = loader(val_paths, shuffle=False) if val_paths else None
+    if cfg.runtime.check_data == "full":
+        procs.log(f"reading every token id of {len(train_paths) + len(val_paths)} shards (--check_data full)")
     for shard in train_loader.shards + (val_loader.shards if val_loader else []):
         shard.check_ids(gpt_config.vocab_size, full=cfg.runtime.check_data == "full")
     evaluation = cfg.eval
@@ -200,6 +207,10 @@ def restore_state(cfg, trainable, train_loader, log):
     """(the run's Checkpointer, handed the parts it saves and restores, and the step to start from):
     that of the checkpoint --resume names, restored into trainable and the loader, or 0."""
     saving = cfg.checkpoints
+    if saving.resume == "auto" and list_checkpoints(cfg.log_dir):
+        log(f"restoring the newest checkpoint in {cfg.log_dir}")
+    elif saving.resume not in ("auto", "none"):
+        log(f"restoring {saving.resume}")
     checkpointer = Checkpointer(cfg.log_dir, training_parts(trainable, train_loader), saving.checkpoint_interval,
                                 saving.keep_last, sharded=bool(cfg.scale.fsdp), async_save=saving.async_checkpoint,
                                 log=log)
@@ -212,14 +223,19 @@ def train(requested):
     """Trains the run that requested (a TrainConfig) describes, from its start or the checkpoint it
     resumes, and returns its GPT."""
     t_start = time.perf_counter()
-    run = setup(requested)
-    cfg, trainable, log = run.cfg, run.trainable, run.log
-    faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
-    bad_steps = 0  # non-finite steps in a row
-    val, stopped = None, False  # val: (step, loss) of the newest val loss
+    # Listening before start-up's slow work (building, loading, restoring, compiling): a stop asked
+    # for meanwhile is acted on before the first step, not lost.
     with distributed.StopSignal() as stop:
-        step = run.start_step
-        while True:
+        run = setup(requested)
+        cfg, trainable, log = run.cfg, run.trainable, run.log
+        faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
+        bad_steps = 0  # non-finite steps in a row
+        val = None  # (step, loss) of the newest val loss
+        step, stopped = run.start_step, stop.requested()[0]
+        if trainable.step_config.compile_mode and not stopped:
+            log(f"compiling the model (torch.compile, mode {trainable.step_config.compile_mode}): "
+                f"its first forward passes take longer")
+        while not stopped:
             last_step = step >= cfg.schedule.max_steps
             if run.checkpointer.due(step, run.start_step, last_step):
                 run.checkpointer.save(step, cfg.flags())
@@ -234,10 +250,8 @@ def train(requested):
             faults.before_step(step)
             t0 = time.perf_counter()
             result = fitted_step(run, step, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
-            if result is None:
-                run.checkpointer.save(step, cfg.flags())
-                log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
-                stopped = True
+            stopped = result is None
+            if stopped:
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
@@ -245,8 +259,22 @@ def train(requested):
                 raise RunError(f"{bad_steps} steps in a row had a non-finite loss or gradient (last: step {step}); "
                                f"the newest checkpoint in {cfg.log_dir} predates them: lower --max_lr or check the data")
             step += 1
+        if stopped:
+            stop_on_signal(run, step)
     finish(run, step, stopped, val, time.perf_counter() - t_start)
     return trainable.raw_model
+
+
+def stop_on_signal(run, step):
+    """A stop at step, the step in flight dropped: a checkpoint of the steps this run trained, and
+    none where it trained none (a stop during start-up or the first step), the checkpoint it
+    resumed from, if any, left as it is."""
+    if step == run.start_step:
+        run.log(f"stopping on a signal at step {step}, before this run trained a step: nothing to save; "
+                f"the same command starts here again")
+        return
+    run.checkpointer.save(step, run.cfg.flags())
+    run.log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
 
 
 def fitted_step(run, step, lr, stop_requested):
@@ -275,8 +303,9 @@ def finish(run, step, stopped, val, seconds):
         run.log_dir_lock.close()
     cfg = run.cfg
     newest = list_checkpoints(cfg.log_dir)[-1:] if run.rank == 0 else []
-    trained = (f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}"
-               if run.start_step < cfg.schedule.max_steps else f"done: evaluated step {step}, no steps trained")
+    evaluated_only = not stopped and run.start_step >= cfg.schedule.max_steps
+    trained = (f"done: evaluated step {step}, no steps trained" if evaluated_only else
+               f"{'stopped' if stopped else 'done'}: step {step} of {cfg.schedule.max_steps}")
     run.log(f"{trained}, {step * cfg.batch.total_batch_size:,} tokens, {tqdm.format_interval(seconds)} wall time, "
             f"{'no val loss' if val is None else f'val loss {val[1]:.4f} at step {val[0]}'}, last checkpoint "
             f"{newest[0] if newest else 'none'}")
@@ -331,15 +360,16 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
     or gradient is not finite. Returns once the device has finished, so the caller's clock times
     the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
     [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
-    raises StepOutOfMemory, the weights and optimizer untouched and the loader back at the step's
-    start. A stop never waits for a long step (torchrun SIGKILLs). A gradient of norm exactly 0 at a
-    finite loss, which no working configuration gives, is a RunError on every rank before the step."""
+    raises StepOutOfMemory, the weights and optimizer untouched and the loader and random state back
+    at the step's start (step_start). A stop never waits for a long step (torchrun SIGKILLs). A
+    gradient of norm exactly 0 at a finite loss, which no working configuration gives, is a
+    RunError on every rank before the step."""
     ddp = trainable.ddp() is not None
     # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
     # so. Set to None, each step would allocate a second set and copy it into the buckets.
     trainable.optimizer.zero_grad(set_to_none=not ddp)
     loss_sum = torch.zeros((), device=trainable.device)
-    start = loader.state_dict()
+    rewind = step_start(loader, trainable.device)
     out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
     grad_accum_steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
     for micro_step in range(grad_accum_steps):
@@ -353,7 +383,7 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
         stop, out_of_memory = stop_requested(out_of_memory)
         if stop or out_of_memory:
-            loader.load_state_dict(start)
+            rewind()
             if out_of_memory:
                 raise StepOutOfMemory
             return None
@@ -364,9 +394,24 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         except torch.OutOfMemoryError:
             out_of_memory = True
     if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
-        loader.load_state_dict(start)
+        rewind()
         raise StepOutOfMemory
     return optimizer_step(trainable, loss_sum, lr)
+
+
+def step_start(loader, device):
+    """A function that puts back what a dropped step has moved on: the loader's position and the
+    random state that draws dropout's masks (the CPU generator's, and on a GPU its own). The step,
+    run again here or from the checkpoint a stop writes, then draws the masks it would have."""
+    position, cpu = loader.state_dict(), torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
+
+    def rewind():
+        loader.load_state_dict(position)
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+    return rewind
 
 
 def optimizer_step(trainable, loss_sum, lr):

@@ -83,6 +83,72 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
     assert_each_step_logged_once(tmp_path, 40)
 
 
+SIGNALLED_WHILE_RESTORING = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import checkpoint, train_gpt2
+restore_parts = checkpoint.restore_parts
+def restore_once_signalled(*args):
+    print("restoring: waiting for the signal", flush=True)
+    while not os.path.exists({sent!r}):  # made once the test has sent it
+        time.sleep(0.01)
+    return restore_parts(*args)
+checkpoint.restore_parts = restore_once_signalled
+train_gpt2.main()
+"""
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_a_resumes_start_up_stops_it_before_its_first_step(shards, tmp_path):
+    """A SIGINT while the checkpoint is restored (once lost: the run trained on) ends the run at
+    its first step, exit code 0, with nothing trained or written: the checkpoints are as they were."""
+    log_dir, sent = tmp_path / "run", tmp_path / "sent"
+    train(shards, log_dir, *RUN, "--max_steps", "4")
+    def checkpoints():
+        return {path: (os.stat(path).st_mtime_ns, open(path, "rb").read())
+                for path in checkpoint.list_checkpoints(str(log_dir))}
+    saved = checkpoints()
+    script = tmp_path / "signalled_while_restoring.py"
+    script.write_text(SIGNALLED_WHILE_RESTORING.format(repo=REPO, sent=str(sent)))
+    proc = subprocess.Popen([sys.executable, script, *TINY, "--data_dir", shards, "--log_dir", log_dir, *RUN],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "restoring: waiting for the signal")
+    proc.send_signal(signal.SIGINT)
+    sent.touch()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = out.strip().splitlines()
+    assert "stopping on a signal at step 4, before this run trained a step: nothing to save; the same command starts " \
+           "here again" in lines
+    assert re.match(rf"stopped: step 4 of 8, .* no val loss, last checkpoint {log_dir / 'ckpt_000004.pt'}$", lines[-1])
+    assert checkpoints() == saved
+    assert_each_step_logged_once(log_dir, 4)
+
+
+STOPPED_UNDER_DROPOUT = [*RUN, "--max_steps", "4", "--dropout", "0.1"]
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_sigterm_resume_under_dropout_gives_the_uninterrupted_losses(shards, tmp_path, optimizer, ranks):
+    """The step a SIGTERM drops has drawn dropout's masks in its forward pass: the checkpoint
+    written then holds the random state of the step's start, as it holds the loader's, so the
+    resumed steps draw the masks the uninterrupted run drew, on every rank."""
+    def run_into(log_dir, *flags):
+        args = [*STOPPED_UNDER_DROPOUT, "--optimizer", optimizer, *flags]
+        if ranks == 1:
+            return train(shards, log_dir, *args)
+        result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *args, "-B", "4")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_log(log_dir)
+
+    uninterrupted = run_into(tmp_path / "uninterrupted")
+    run_into(tmp_path / "stopped", "--fault", "sigterm@2")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000002.pt"]
+    resumed = run_into(tmp_path / "stopped")  # --resume auto
+    assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(uninterrupted)]
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_loses_and_repeats_nothing(shards, uninterrupted_long, tmp_path):
     proc = popen_train(shards, tmp_path, *LONG)
