@@ -8,7 +8,7 @@ import stat
 from contextlib import contextmanager, suppress
 
 
-FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+FILE_KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
               stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
 
 

@@ -25,8 +25,10 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import warnings
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from functools import partial
@@ -568,12 +570,64 @@ def checkpoint_step(path):
     return int(CHECKPOINT_RE.search(path).group(1))
 
 
-def list_checkpoints(log_dir):
-    """The checkpoints in log_dir of either kind, oldest step first. A sharded one is complete
-    only under its final name: it is written under another and renamed."""
+def named_checkpoints(log_dir):
+    """What log_dir holds under the names the trainer gives its checkpoints (ckpt_XXXXXX.pt, a
+    folder ckpt_XXXXXX/), oldest step first, whatever it is: a damaged one, an empty file, a link."""
     paths = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*"))
              if CHECKPOINT_RE.search(p) and os.path.isdir(p) != p.endswith(".pt")]
     return sorted(paths, key=checkpoint_step)
+
+
+def list_checkpoints(log_dir):
+    """The checkpoints in log_dir of either kind (is_checkpoint), under the trainer's names, oldest
+    step first. A sharded one is complete only under its final name: it is written under another
+    and renamed."""
+    return [path for path in named_checkpoints(log_dir) if is_checkpoint(path)]
+
+
+def unnamed_checkpoints(log_dir):
+    """The checkpoints in log_dir (is_checkpoint) under names the trainer does not give them, which
+    --resume auto does not take: a copy named ckpt.pt, say."""
+    named = set(named_checkpoints(log_dir))
+    paths = (os.path.join(log_dir, name) for name in sorted(os.listdir(log_dir)))
+    return [path for path in paths if path not in named and is_checkpoint(path)]
+
+
+def is_checkpoint(path):
+    """Whether path is a checkpoint by what it is, whatever its name, decided without unpickling
+    or reading a tensor: a regular file that is torch.save's zip (is_torch_file), or a directory
+    whose .metadata is a regular file that starts as a pickle does and whose train_state.pt is
+    torch.save's zip. A link, an empty file or folder, a copy cut short never is; a checkpoint
+    damaged inside can be, and its reader says so."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return is_torch_file(path)
+        metadata = os.path.join(path, ".metadata")
+        if not stat.S_ISREG(os.lstat(metadata).st_mode):
+            return False
+        with open(metadata, "rb") as f:
+            start = f.read(2)
+        return len(start) == 2 and start[0] == pickle.PROTO[0] and 2 <= start[1] <= pickle.HIGHEST_PROTOCOL \
+            and is_torch_file(os.path.join(path, TRAIN_STATE))
+    except OSError:
+        return False
+
+
+def is_torch_file(path):
+    """Whether path is a regular file (not a link) in torch.save's format: a zip whose entries
+    lie in one folder that holds data.pkl and version. Only the zip's directory, at its end, is read."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    folders = {name.split("/", 1)[0] for name in names}
+    if len(folders) != 1:
+        return False
+    folder = folders.pop()
+    return f"{folder}/data.pkl" in names and f"{folder}/version" in names
 
 
 def find_resume(resume, log_dir):
@@ -588,10 +642,10 @@ def find_resume(resume, log_dir):
 
 def latest_checkpoint(log_dir, map_location="cpu", before=None):
     """(path, state) of the newest checkpoint in log_dir (of a step before `before`, if given) that
-    loads, or None if log_dir holds no checkpoint. A damaged newer one (a bad disk, a hand edit) is
-    skipped with a warning; if every one is damaged, CheckpointError: starting again from step 0
-    would overwrite the run they hold."""
-    every = list_checkpoints(log_dir)
+    loads, or None if nothing there is named as one. A damaged newer one (a bad disk, a hand edit,
+    a copy cut short) is skipped with a warning; if every one is damaged, CheckpointError: starting
+    again from step 0 would overwrite the run they hold."""
+    every = named_checkpoints(log_dir)
     paths = [p for p in every if before is None or checkpoint_step(p) < before]
     problems = []
     for path in reversed(paths):
@@ -621,11 +675,13 @@ def check_no_later_checkpoints(log_dir, step):
 
 
 def prune_checkpoints(log_dir, keep_last):
-    """Deletes all but the newest keep_last checkpoints (keep_last <= 0 keeps all), and what saves
-    that were killed left behind."""
+    """Keeps the newest keep_last checkpoints (keep_last <= 0 keeps all) and deletes whatever is
+    named as one of an older step, and what saves that were killed left behind. Only checkpoints
+    count (is_checkpoint): a newer empty file never costs a real one."""
     remove_unfinished(log_dir)
-    if keep_last > 0:
-        for path in list_checkpoints(log_dir)[:-keep_last]:
+    kept = list_checkpoints(log_dir)[-keep_last:] if keep_last > 0 else []
+    for path in named_checkpoints(log_dir) if kept else []:
+        if checkpoint_step(path) < checkpoint_step(kept[0]):
             remove_entry(path)
 
 

@@ -11,7 +11,7 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import ModelPart, is_sharded_checkpoint, list_checkpoints, load_checkpoint, load_parts, model_of
+from checkpoint import ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints
 from cli import first_line
 from dcp_reader import CheckpointError
 from devices import pick_device
@@ -107,7 +107,7 @@ def check_source(name):
     -m/--model/--init_from before its downloads."""
     if os.path.exists(name):
         if os.path.isdir(name):
-            if not (is_sharded_checkpoint(name) or list_checkpoints(name)
+            if not (is_sharded_checkpoint(name) or named_checkpoints(name)
                     or os.path.exists(os.path.join(name, "config.json"))):
                 raise CheckpointError(f"{name}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or "
                                       f"ckpt_XXXXXX/ sharded) nor a Hugging Face GPT-2 model (config.json) in it")
@@ -133,7 +133,7 @@ def is_hub_id(name):
 def newest_in_log_dir(path):
     """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
     log_dir), named on stderr."""
-    checkpoints = [] if not os.path.isdir(path) or is_sharded_checkpoint(path) else list_checkpoints(path)
+    checkpoints = [] if not os.path.isdir(path) or is_sharded_checkpoint(path) else named_checkpoints(path)
     if checkpoints:
         print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
         return checkpoints[-1]

@@ -1,20 +1,27 @@
 """The run's directory (--log_dir): made, claimed against a second run, tidied of what killed
-saves left; and log.jsonl, one record per event, with its mirrors (wandb, TensorBoard)."""
+saves left, an earlier run moved aside on starting over, checked for links the run would write
+through and checkpoints --resume auto would pass over; and log.jsonl, one record per event, with
+its mirrors (wandb, TensorBoard)."""
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 
 import checkpoint
-from atomic import CannotClaim, atomic_open, claim_directory
+from atomic import CannotClaim, atomic_open, claim_directory, file_kind
 from cli import first_line
 from distributed import RunError
 from inputs import parse_json
 
-RUN_FILES = ("log.jsonl", "tensorboard", "wandb")  # besides the checkpoints, what a run writes in log_dir
-PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}(-\d+)?")  # an earlier run, moved aside by tidy_log_dir
+# Besides the checkpoints, what a run writes in log_dir: each, where it exists, must be what it is
+# named for, and never a link, which the run would write through.
+RUN_FILES = {"log.jsonl": ("the run's log", stat.S_ISREG), "tensorboard": ("the run's TensorBoard folder", stat.S_ISDIR),
+             "wandb": ("the run's wandb folder", stat.S_ISDIR)}
+PREVIOUS_RE = re.compile(r"previous_\d{8}-\d{6}(-\d+)?")  # an earlier run, moved aside by start_over
+MOVING = "previous.partial"  # where start_over gathers the earlier run, renamed to previous_<time> once whole
 
 
 def make_log_dir(log_dir):
@@ -37,37 +44,148 @@ def claim_log_dir(log_dir, enabled):
 
 
 def tidy_log_dir(log_dir, resume, log, enabled):
-    """On rank 0 (enabled): removes what killed saves left; starting over (--resume none) where a
-    run already is, moves that run's files into log_dir/previous_<time>/, so that no directory
-    ever holds two runs' checkpoints. The previous_<time>/ folders earlier start-overs made are
-    removed, but a run without a checkpoint (a start killed or failed before its first) never
-    replaces one with: log_dir keeps the newest earlier run with a checkpoint, and at most one
-    without, however often a run starts over there."""
+    """On rank 0 (enabled): removes what killed saves left, puts back whole the run that a killed
+    start-over was moving aside (undo_killed_move), and, starting over (--resume none) where a run
+    already is, moves that run aside (start_over)."""
     if not enabled:
         return
     try:
         checkpoint.remove_unfinished(log_dir)
-        names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
-        if resume != "none" or not names:
-            return
-        with_checkpoint = any(checkpoint.CHECKPOINT_RE.fullmatch(name) for name in names)
-        older = [path for path in (os.path.join(log_dir, name) for name in sorted(os.listdir(log_dir))
-                                   if PREVIOUS_RE.fullmatch(name)) if os.path.isdir(path) and not os.path.islink(path)]
-        kept = [path for path in older if not with_checkpoint and checkpoint.list_checkpoints(path)]
-        removed = [path for path in older if path not in kept]
-        removed_sizes = sized(removed)
-        for path in removed:
-            shutil.rmtree(path)
-        aside = free_previous_name(log_dir)
-        os.makedirs(aside)
-        for name in names:
-            os.rename(os.path.join(log_dir, name), os.path.join(aside, name))
+        undo_killed_move(log_dir, log)
+        if resume == "none":
+            start_over(log_dir, log)
     except OSError as e:
         raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
-    said = f"moved the earlier run ({megabytes(aside)}{'' if with_checkpoint else ', no checkpoint'}) to {aside}"
+
+
+def undo_killed_move(log_dir, log):
+    """Moves back into log_dir what a start-over killed mid-move left in MOVING: the run it was
+    moving aside is then whole in log_dir again, for this start's --resume to decide on."""
+    moving = os.path.join(log_dir, MOVING)
+    if not os.path.lexists(moving):
+        return
+    mode = os.lstat(moving).st_mode
+    if not stat.S_ISDIR(mode):
+        raise RunError(f"{moving} is {file_kind(mode)}, not an earlier run being moved aside: move it out of --log_dir")
+    names = sorted(os.listdir(moving))
+    both = [name for name in names if os.path.lexists(os.path.join(log_dir, name))]
+    if both:
+        raise RunError(f"{os.path.join(log_dir, both[0])} is also in {moving}, which a start-over killed while moving "
+                       f"the earlier run aside left: keep one of the two, and remove the other")
+    for name in names:
+        os.rename(os.path.join(moving, name), os.path.join(log_dir, name))
+    os.rmdir(moving)
+    if names:
+        log(f"put back into {log_dir} the earlier run that a killed start-over was moving aside: {', '.join(names)}")
+
+
+def start_over(log_dir, log):
+    """Moves the run in log_dir (its RUN_FILES, and whatever is named as a checkpoint) into
+    log_dir/previous_<UTC time>/, so that no directory ever holds two runs' checkpoints: gathered
+    in MOVING and renamed whole, so that a kill at any point leaves the run whole in one place.
+    Then removes the previous_* folders earlier start-overs made, but for any that holds a
+    checkpoint saved after every one of the run moved aside (newest_saved): a run without a
+    checkpoint never replaces one with. A log_dir so keeps the newest earlier run with a
+    checkpoint, and at most one without, however often a run starts over there."""
+    names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
+    if not names:
+        return
+    newest = newest_saved(log_dir)
+    moving = os.path.join(log_dir, MOVING)
+    os.mkdir(moving)
+    for name in names:
+        os.rename(os.path.join(log_dir, name), os.path.join(moving, name))
+    aside = free_previous_name(log_dir)
+    os.rename(moving, aside)
+    older = [path for path in earlier_runs(log_dir) if path != aside]
+    kept = [path for path in older if saved_after(newest_saved(path), newest)]
+    removed = [path for path in older if path not in kept]
+    removed_sizes = sized(removed)
+    for path in removed:
+        shutil.rmtree(path)
+    said = f"moved the earlier run ({megabytes(aside)}{'' if newest else ', no checkpoint'}) to {aside}"
     said += f", and removed the one before it, {removed_sizes}" if removed else ""
-    said += f"; kept {sized(kept)}: a run without a checkpoint never replaces one with" if kept else ""
+    if kept:
+        why = "its checkpoints were saved after the moved run's" if newest else \
+            "a run without a checkpoint never replaces one with"
+        said += f"; kept {sized(kept)}: {why}"
     log(f"--resume none: {said}")
+
+
+def earlier_runs(log_dir):
+    """The previous_<time> folders in log_dir (not links), oldest first."""
+    paths = (os.path.join(log_dir, name) for name in sorted(os.listdir(log_dir)) if PREVIOUS_RE.fullmatch(name))
+    return [path for path in paths if os.path.isdir(path) and not os.path.islink(path)]
+
+
+def newest_saved(directory):
+    """(when, path) of the checkpoint in directory saved last (by its modification time in ns; a
+    sharded one's .metadata's, which a rename never changes), or None if it holds none."""
+    def saved(path):
+        return os.lstat(os.path.join(path, ".metadata") if os.path.isdir(path) else path).st_mtime_ns
+    return max(((saved(path), path) for path in checkpoint.list_checkpoints(directory)), default=None)
+
+
+def saved_after(found, other):
+    """Whether found, a newest_saved, is a checkpoint saved after other's (or other is None)."""
+    return found is not None and (other is None or found[0] > other[0])
+
+
+def check_log_dir(log_dir, resume, init_from, log, enabled):
+    """On rank 0 (enabled), once tidied: refuses, in one line, a log_dir where the run would write
+    through a link (check_run_files) or, under --resume auto, pass over a checkpoint in silence
+    (check_nothing_passed_over). init_from: the run's --init_from, which may lie in log_dir."""
+    if not enabled:
+        return
+    try:
+        check_run_files(log_dir)
+        if resume == "auto":
+            check_nothing_passed_over(log_dir, init_from, log)
+    except OSError as e:
+        raise RunError(f"--log_dir {log_dir}: {first_line(e)}") from None
+
+
+def check_run_files(log_dir):
+    """RunError where something the run writes in log_dir (one of RUN_FILES, a checkpoint) is a
+    symbolic link, which the run would write through, or not what it is named for."""
+    for name in sorted(os.listdir(log_dir)):
+        path = os.path.join(log_dir, name)
+        mode = os.lstat(path).st_mode
+        if name in RUN_FILES and not RUN_FILES[name][1](mode):
+            raise RunError(f"{path} is {file_kind(mode)}, not {RUN_FILES[name][0]}: move it out of --log_dir")
+        if checkpoint.CHECKPOINT_RE.fullmatch(name) and stat.S_ISLNK(mode):
+            raise RunError(f"{path} is a symbolic link, not a checkpoint the run may write over: move it out of "
+                           f"--log_dir")
+
+
+def check_nothing_passed_over(log_dir, init_from, log):
+    """Under --resume auto, which takes the newest checkpoint in log_dir under the trainer's names:
+    RunError where one it would pass over is likelier the one meant: in an earlier run (previous_*),
+    one saved after all of log_dir's; where log_dir holds none under those names, one there under
+    another (a copy named ckpt.pt; not init_from). A line names such a one beside the trainer's
+    own, and an earlier run's newest where log_dir holds none."""
+    newest = newest_saved(log_dir)
+    earlier = max(filter(None, map(newest_saved, earlier_runs(log_dir))), default=None)
+    if newest and saved_after(earlier, newest):
+        raise RunError(f"{earlier[1]} was saved after {newest[1]}, the newest checkpoint in {log_dir}, which --resume "
+                       f"auto would take (a start-over cut short?): name the one to resume with --resume PATH")
+    named = checkpoint.named_checkpoints(log_dir)
+    unnamed = [path for path in checkpoint.unnamed_checkpoints(log_dir) if not same_file(path, init_from)]
+    if unnamed and not named:
+        raise RunError(f"{unnamed[0]} is a checkpoint under a name that --resume auto does not take (ckpt_XXXXXX.pt, "
+                       f"ckpt_XXXXXX/), and {log_dir} holds none that it does: resume it with --resume {unnamed[0]}, "
+                       f"or move it out of --log_dir to start from step 0")
+    if unnamed:
+        log(f"note: {unnamed[0]} is a checkpoint under a name that --resume auto does not take: "
+            f"--resume {unnamed[0]} resumes it")
+    if earlier and not named:
+        log(f"note: no checkpoint in {log_dir} to resume; the newest of the earlier run that --resume none moved "
+            f"aside is {earlier[1]}: --resume {earlier[1]} resumes it")
+
+
+def same_file(path, other):
+    """Whether other names an existing file or folder, the one at path."""
+    return os.path.exists(other) and os.path.samefile(path, other)
 
 
 def free_previous_name(log_dir):
@@ -111,8 +229,6 @@ class MetricsLog:
                 print(f"warning: could not rewrite {self.path}: {e}", file=sys.stderr)
 
     def _records_before(self, step):
-        if os.path.isdir(self.path):
-            raise RunError(f"{self.path} is a directory, not the run's log: move it out of --log_dir")
         if not os.path.exists(self.path):
             return []
         kept, skipped = [], 0
@@ -133,12 +249,18 @@ class MetricsLog:
     def write(self, **record):
         if self.enabled:
             try:
-                with open(self.path, "a") as f:
+                with open(self.path, "a", opener=no_follow) as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:  # a full disk: a record lost costs less than the run
                 print(f"warning: could not append to {self.path}: {e}", file=sys.stderr)
             for mirror in self.mirrors:
                 mirror(record)
+
+
+def no_follow(path, flags):
+    """open()'s opener that never follows a link put in the file's place (check_run_files refused one
+    before the run): opening it is an OSError (ELOOP)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
 def log_mirrors(cfg, enabled):

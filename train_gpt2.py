@@ -86,9 +86,10 @@ def setup(cfg):
     """Processes, log_dir, model, data, optimizer and the state to resume from, in that order.
     Every check that can fail runs on every rank, and stops them all alike."""
     cfg, procs = start_processes(cfg)
-    on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, and tidied
+    on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, tidied and checked
     log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, procs.rank == 0)
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, procs.log, procs.rank == 0)
+    on_every_rank(logdir.check_log_dir, cfg.log_dir, cfg.checkpoints.resume, cfg.init_from, procs.log, procs.rank == 0)
     mirrors = on_every_rank(logdir.log_mirrors, cfg, procs.rank == 0)
     raw_model, init = build_model(cfg, procs.device, procs.log)
     step_config, micro_batch = plan_step(cfg, raw_model, procs)

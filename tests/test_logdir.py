@@ -1,0 +1,238 @@
+"""logdir.py: nothing a run writes in its log_dir follows a link; a start-over killed at any point
+loses nothing; only a real checkpoint, not a name, makes an earlier run removable; and --resume
+auto passes over no checkpoint in silence."""
+import os
+import re
+import shutil
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import checkpoint
+import logdir
+from helpers import error_of, listdir, read_log, train
+
+RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
+EARLIER = "previous_20260101-000000"  # a run that an earlier start-over moved aside
+SECOND = 10**9  # in ns
+
+
+def fake_checkpoint(path, step, saved):
+    """A one-file checkpoint that loads as one (load_checkpoint), with no weights, saved at
+    second `saved` of the epoch: the tests order checkpoints by when they were saved."""
+    torch.save({"model": {}, "config": {}, "step": step}, path)
+    os.utime(path, ns=(saved * SECOND, saved * SECOND))
+    return path
+
+
+def two_runs(log_dir):
+    """log_dir as a second run leaves it: the earlier run in EARLIER (a step 12 checkpoint, saved
+    first), the current one (steps 4 and 8, its log, a dashboard) in log_dir. Returns the current
+    run's files, {path within the run: bytes}."""
+    (log_dir / EARLIER).mkdir(parents=True)
+    fake_checkpoint(log_dir / EARLIER / "ckpt_000012.pt", 12, saved=1)
+    (log_dir / EARLIER / "log.jsonl").write_text('{"step": 11, "tokens": 0}\n')
+    fake_checkpoint(log_dir / "ckpt_000004.pt", 4, saved=2)
+    fake_checkpoint(log_dir / "ckpt_000008.pt", 8, saved=3)
+    (log_dir / "log.jsonl").write_text('{"step": 7, "tokens": 0}\n')
+    (log_dir / "tensorboard").mkdir()
+    (log_dir / "tensorboard" / "events").write_text("the current run's dashboard")
+    return {name: (log_dir / name).read_bytes() for name in ("ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl",
+                                                              "tensorboard/events")}
+
+
+class Killed(BaseException):
+    """A kill -9, as the code under test meets it: nothing after it runs, no handler sees it."""
+
+
+@contextmanager
+def killed_at(point, monkeypatch):
+    """Every call that changes a directory (rename, mkdir, rmdir, unlink) counted from 0: the one
+    numbered point raises Killed instead of running. Yields the count so far."""
+    calls = [0]
+
+    def counted(change):
+        def call(*args, **kwargs):
+            if calls[0] == point:
+                raise Killed
+            calls[0] += 1
+            return change(*args, **kwargs)
+        return call
+    with monkeypatch.context() as patch:
+        for name in ("rename", "mkdir", "rmdir", "unlink", "remove"):
+            patch.setattr(os, name, counted(getattr(os, name)))
+        yield calls
+
+
+def tidied(log_dir, resume):
+    """What the trainer's start does to log_dir before it builds anything: its lines, and (under
+    --resume auto) the checkpoint it resumes, (path, step) or None."""
+    lines = []
+    logdir.tidy_log_dir(str(log_dir), resume, lines.append, True)
+    logdir.check_log_dir(str(log_dir), resume, "scratch", lines.append, True)
+    found = checkpoint.find_resume(resume, str(log_dir))
+    return lines, found and (found[0], found[1]["step"])
+
+
+def places_of(log_dir, name, data):
+    """Where in log_dir (itself, a previous_* but EARLIER, or the unfinished move's folder) the file
+    name lies with these bytes."""
+    places = [log_dir, log_dir / logdir.MOVING, *(log_dir / p for p in listdir(log_dir)
+                                                  if p.startswith("previous_") and p != EARLIER)]
+    return [place for place in places if (place / name).is_file() and (place / name).read_bytes() == data]
+
+
+def test_a_start_over_killed_at_any_point_loses_nothing_and_resume_auto_takes_the_newest(tmp_path, monkeypatch):
+    """--resume none, SIGKILLed before each of its changes to log_dir in turn. After each: every
+    file of the run being moved aside is whole, in one place; a restart under --resume auto
+    resumes step 8, the newest, or (the move complete, only the earlier runs' removal cut short)
+    starts afresh and names step 8's checkpoint where it now lies; a second start-over keeps it."""
+    point = 0
+    while True:
+        log_dir = tmp_path / f"killed_at_{point}"
+        run = two_runs(log_dir)
+        with killed_at(point, monkeypatch):
+            try:
+                logdir.tidy_log_dir(str(log_dir), "none", print, True)
+                break  # no change left to kill it at
+            except Killed:
+                pass
+        assert all(len(places_of(log_dir, name, data)) == 1 for name, data in run.items()), point
+        for resume in ("auto", "none"):
+            shutil.copytree(log_dir, tmp_path / resume, symlinks=True)  # with the files' times
+        lines, found = tidied(tmp_path / "auto", "auto")
+        if found:
+            assert found == (str(tmp_path / "auto" / "ckpt_000008.pt"), 8), point
+        else:
+            [aside] = places_of(tmp_path / "auto", "ckpt_000008.pt", run["ckpt_000008.pt"])
+            assert aside.name.startswith("previous_") and f"--resume {aside / 'ckpt_000008.pt'} resumes it" in lines[-1]
+        tidied(tmp_path / "none", "none")
+        [kept] = places_of(tmp_path / "none", "ckpt_000008.pt", run["ckpt_000008.pt"])
+        assert kept.name.startswith("previous_"), point
+        shutil.rmtree(tmp_path / "auto")
+        shutil.rmtree(tmp_path / "none")
+        point += 1
+    assert point >= 7  # made the folder, moved 4 names into it, renamed it, removed the earlier run
+    [aside] = listdir(log_dir)
+    assert aside.startswith("previous_") and aside != EARLIER
+
+
+def test_a_checkpoint_left_aside_newer_than_log_dirs_is_named_by_resume_auto_and_kept_by_a_start_over(tmp_path, capsys):
+    """As a start-over killed mid-move before this rule left it (by hand: mkdir previous_...; mv
+    ckpt_000008.pt into it): --resume auto would resume step 4 while step 8 lies aside."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    fake_checkpoint(log_dir / "ckpt_000004.pt", 4, saved=2)
+    (log_dir / EARLIER).mkdir()
+    fake_checkpoint(log_dir / EARLIER / "ckpt_000008.pt", 8, saved=3)
+    newer = log_dir / EARLIER / "ckpt_000008.pt"
+    message = error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir)
+    assert message == (f"error: {newer} was saved after {log_dir / 'ckpt_000004.pt'}, the newest checkpoint in "
+                       f"{log_dir}, which --resume auto would take (a start-over cut short?): name the one to resume "
+                       f"with --resume PATH")
+    error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir, "--resume", "none")  # no shards, once moved
+    assert newer.is_file() and checkpoint.list_checkpoints(str(log_dir)) == []
+    [aside] = [name for name in listdir(log_dir) if name.startswith("previous_") and name != EARLIER]
+    assert listdir(log_dir / aside) == ["ckpt_000004.pt"]
+
+
+@pytest.mark.parametrize("kind", ["empty file", "empty folder", "link to a checkpoint", "truncated copy"])
+def test_only_a_real_checkpoint_makes_the_earlier_run_removable(tmp_path, kind):
+    """A run that left only something named as a checkpoint is a run without one: the start-over
+    keeps the earlier run whose checkpoint is real."""
+    log_dir = tmp_path / "log"
+    (log_dir / EARLIER).mkdir(parents=True)
+    real = fake_checkpoint(log_dir / EARLIER / "ckpt_000008.pt", 8, saved=1)
+    (log_dir / "log.jsonl").write_text("")
+    named = log_dir / ("ckpt_000002" if kind == "empty folder" else "ckpt_000002.pt")
+    if kind == "empty file":
+        named.write_bytes(b"")
+    elif kind == "empty folder":
+        named.mkdir()
+    elif kind == "link to a checkpoint":
+        os.symlink(fake_checkpoint(tmp_path / "elsewhere.pt", 2, saved=2), named)
+    else:
+        named.write_bytes(fake_checkpoint(tmp_path / "whole.pt", 2, saved=2).read_bytes()[:-100])
+    assert checkpoint.named_checkpoints(str(log_dir)) == [str(named)] and checkpoint.list_checkpoints(str(log_dir)) == []
+    lines, _ = tidied(log_dir, "none")
+    [aside] = [name for name in listdir(log_dir) if name.startswith("previous_") and name != EARLIER]
+    assert lines == [f"--resume none: moved the earlier run ({logdir.megabytes(log_dir / aside)}, no checkpoint) to "
+                     f"{log_dir / aside}; kept {logdir.sized([log_dir / EARLIER])}: a run without a checkpoint never "
+                     f"replaces one with"]
+    assert real.is_file()
+
+
+def test_pruning_counts_only_real_checkpoints(tmp_path):
+    """An empty ckpt_000012.pt newer than the run's checkpoints never costs the newest real one."""
+    for step in (4, 8):
+        fake_checkpoint(tmp_path / f"ckpt_{step:06d}.pt", step, saved=step)
+    (tmp_path / "ckpt_000012.pt").write_bytes(b"")
+    checkpoint.prune_checkpoints(str(tmp_path), keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt", "ckpt_000012.pt"]
+
+
+# ----------------------------------------------------------------------------- links
+
+@pytest.mark.parametrize("name, expected", [
+    ("log.jsonl", "a symbolic link, not the run's log"),
+    ("tensorboard", "a symbolic link, not the run's TensorBoard folder"),
+    ("ckpt_000004.pt", "a symbolic link, not a checkpoint the run may write over"),
+])
+def test_a_link_where_the_run_writes_is_refused_before_it_starts_and_never_written_through(shards, tmp_path, capsys,
+                                                                                           name, expected):
+    """Refused even where the run would not write there (no --tensorboard): it would, another time."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("the user's own\n")
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    os.symlink(outside if name == "tensorboard" else outside / "notes.txt", log_dir / name)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", log_dir, *RUN)
+    assert message == f"error: {log_dir / name} is {expected}: move it out of --log_dir"
+    assert os.listdir(outside) == ["notes.txt"] and (outside / "notes.txt").read_text() == "the user's own\n"
+
+
+def test_a_log_linked_once_the_run_is_under_way_is_not_appended_through(tmp_path, capsys):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own\n")
+    metrics = logdir.MetricsLog(str(tmp_path), keep_before=None, enabled=True)
+    metrics.write(step=0, tokens=0)
+    os.remove(tmp_path / "log.jsonl")
+    os.symlink(outside, tmp_path / "log.jsonl")
+    metrics.write(step=1, tokens=256)
+    assert f"warning: could not append to {tmp_path / 'log.jsonl'}" in capsys.readouterr().err
+    assert outside.read_text() == "the user's own\n"
+
+
+# ----------------------------------------------------------------------------- checkpoints under other names
+
+@pytest.mark.slow
+def test_a_checkpoint_copied_in_as_ckpt_pt_is_named_by_resume_auto_with_how_to_resume_it(shards, tmp_path, capsys):
+    train(shards, tmp_path / "run", *RUN)
+    copy = tmp_path / "log" / "ckpt.pt"
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "run" / "ckpt_000002.pt", copy)
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", copy.parent, *RUN)
+    assert message == (f"error: {copy} is a checkpoint under a name that --resume auto does not take (ckpt_XXXXXX.pt, "
+                       f"ckpt_XXXXXX/), and {copy.parent} holds none that it does: resume it with --resume {copy}, or "
+                       f"move it out of --log_dir to start from step 0")
+    train(shards, copy.parent, *RUN, "--resume", copy)
+    assert f"resuming from {copy} at step 2" in capsys.readouterr().out
+    assert [r["step"] for r in read_log(copy.parent) if "train_loss" in r] == [2, 3]
+    train(shards, copy.parent, *RUN)  # --resume auto: its own checkpoints now, and a line on the other
+    assert (f"note: {copy} is a checkpoint under a name that --resume auto does not take: --resume {copy} resumes it"
+            in capsys.readouterr().out)
+
+
+def test_a_sharded_checkpoint_under_another_name_is_named_but_not_the_run_it_starts_from(tmp_path):
+    log_dir = tmp_path / "log"
+    folder = log_dir / "step_2"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"\x80\x04" + bytes(100))
+    fake_checkpoint(folder / checkpoint.TRAIN_STATE, 2, saved=1)
+    with pytest.raises(logdir.RunError, match=f"^{re.escape(str(folder))} is a checkpoint under a name that --resume"):
+        tidied(log_dir, "auto")
+    logdir.check_log_dir(str(log_dir), "auto", str(folder), print, True)  # --init_from it: nothing to say
+    (folder / ".metadata").write_bytes(b"")  # a copy cut short: not a checkpoint
+    assert tidied(log_dir, "auto") == ([], None)
