@@ -348,7 +348,9 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         try:
             with trainable.step_model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
                 loss = trainable.step_model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
             out_of_memory = True
         # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
         stop, out_of_memory = stop_requested(out_of_memory)
@@ -361,7 +363,9 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         loss_sum += loss.detach()
         try:
             trainable.scaler.scale(loss).backward()
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
             out_of_memory = True
     if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
         loader.load_state_dict(start)
