@@ -1,9 +1,11 @@
 """What the scripts' command lines share: errors in one line, config files of flag values
 (configs/NAME.toml, the trainer's presets), retired flags, and the torch version check."""
 import argparse
+import json
 import os
 import re
 import sys
+import time
 import tomllib
 
 from atomic import check_writable
@@ -122,8 +124,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message}\n")
 
     def exit(self, status=0, message=None):
-        # Under torchrun every rank parses the same flags: their one error line comes from rank 0 alone.
-        super().exit(status, message if int(os.environ.get("RANK", 0)) == 0 else None)
+        if status and message:
+            # Under torchrun every rank parses the same flags: their one error line comes from rank 0 alone.
+            if int(os.environ.get("RANK", 0)) == 0:
+                print_error(message.rstrip("\n"))
+            message = None
+        super().exit(status, message)
 
     def config_defaults(self, path, not_keys=()):
         """The values of the config file at path, checked against this parser's flags (its keys are
@@ -152,6 +158,29 @@ class Parser(argparse.ArgumentParser):
             check_writable(path)
         except OSError as e:
             self.fail(f"{flag} {path}: cannot write there ({e.strerror})")
+
+
+def print_error(line):
+    """line, a run's one-line error, where the user looks: on stderr, and in torchrun's summary."""
+    print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
+
+
+def tell_torchrun(line):
+    """Under torchrun, line in the error file its agent reads (TORCHELASTIC_ERROR_FILE, in the
+    format of torch.distributed.elastic's ErrorHandler), whose message torchrun's summary of the
+    failed ranks shows as the root cause, in place of a pointer to torch's docs. Nothing elsewhere."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    # The root cause is the failure of the earliest time. A second early: a rank that exits within
+    # the same second without a file of its own is stamped with that second by the agent.
+    stamped = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()) - 1)}}}
+    try:
+        with open(error_file, "w") as f:
+            json.dump(stamped, f)
+    except OSError:  # the line is on stderr all the same
+        pass
 
 
 def first_line(error):

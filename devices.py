@@ -110,29 +110,81 @@ def device_memory(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-MEMINFO = "/proc/meminfo"
-# A container's memory limit and what its processes hold: cgroup v2's files, then v1's ("max", or a
-# number past any memory, where there is no limit).
-CGROUP_MEMORY = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
-
-
-def available_memory():
-    """Bytes of the host's memory that processes may still take: Linux's MemAvailable (free memory
-    and the caches the kernel can drop), or less where a container's limit leaves less; None where
-    it cannot be read (other systems)."""
+def available_memory(root="/"):
+    """Bytes of the host's memory that this process may still take: Linux's MemAvailable (free
+    memory and the caches the kernel can drop), or less where its memory cgroup leaves less
+    (cgroup_headroom); None where it cannot be read (other systems). root: where /proc and /sys
+    lie (a test's copy of them)."""
     try:
-        with open(MEMINFO) as f:
+        with open(os.path.join(root, "proc/meminfo")) as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    for limit, usage in CGROUP_MEMORY:
+    headroom = cgroup_headroom(root)
+    return max(available if headroom is None else min(available, headroom), 0)
+
+
+# A memory cgroup's limit and usage: cgroup v1's memory controller, v2's unified hierarchy.
+CGROUP_FILES = {"cgroup": ("memory.limit_in_bytes", "memory.usage_in_bytes"), "cgroup2": ("memory.max", "memory.current")}
+
+
+def cgroup_headroom(root="/"):
+    """The least limit less usage, in bytes, of this process's memory cgroup and of every cgroup
+    above it that can be seen (own_memory_cgroup), or None where none sets a limit."""
+    found = own_memory_cgroup(root)
+    if found is None:
+        return None
+    directory, top, kind = found
+    limit_file, usage_file = CGROUP_FILES[kind]
+    least = None
+    while True:
         try:
-            with open(limit) as f, open(usage) as g:
-                available = min(available, int(f.read()) - int(g.read()))
-        except (OSError, ValueError):  # no such cgroup, or "max": no limit
+            with open(os.path.join(directory, limit_file)) as f, open(os.path.join(directory, usage_file)) as g:
+                headroom = int(f.read()) - int(g.read())
+            least = headroom if least is None else min(least, headroom)
+        except (OSError, ValueError):  # no such file (v2's root), or "max": no limit here
             pass
-    return max(available, 0)
+        if directory == top:
+            return least
+        directory = os.path.dirname(directory)
+
+
+def own_memory_cgroup(root="/"):
+    """(the directory of this process's memory cgroup, that of the topmost one mounted above it,
+    "cgroup" or "cgroup2"), or None. A container's or a job's limit lies on its own cgroup, not the
+    root: the one /proc/self/cgroup names (v1's memory controller, else v2's), under the mount of its
+    hierarchy that /proc/self/mountinfo lists, which in a container is often that cgroup itself."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:  # lines of ID:CONTROLLERS:PATH
+            paths = {fields[1]: fields[2] for fields in (line.rstrip("\n").split(":", 2) for line in f) if len(fields) == 3}
+        with open(os.path.join(root, "proc/self/mountinfo")) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    v1 = next((path for controllers, path in paths.items() if "memory" in controllers.split(",")), None)
+    kind, path = ("cgroup", v1) if v1 is not None else ("cgroup2", paths.get(""))
+    if path is None:
+        return None
+    for fields in mounts:  # ID PARENT DEV ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS
+        if "-" not in fields:
+            continue
+        fs_type, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        below = os.path.relpath(path, fields[3])
+        if fs_type == kind and (kind == "cgroup2" or "memory" in options) and not below.startswith(".."):
+            top = os.path.join(root, fields[4].lstrip("/"))
+            return os.path.normpath(os.path.join(top, below)), os.path.normpath(top), kind
+    return None
+
+
+# What torch's CPU allocator raises, as a plain RuntimeError, when an allocation fails: under a
+# memory limit (ulimit -v) or past any memory. A GPU's allocator raises torch.OutOfMemoryError.
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(error):
+    """Whether error is an allocation that failed for want of memory, on a GPU or on the host."""
+    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and
+                                                         CPU_ALLOCATOR_FAILED in str(error))
 
 
 def synchronize(device):

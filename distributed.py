@@ -1,10 +1,12 @@
 """The processes of a run: joining torchrun's process group (NCCL for GPUs, gloo for CPUs, so
-data parallelism runs and is tested on a CPU) and leaving it, the gloo groups beside it, and the
-decisions every rank must take alike."""
+data parallelism runs and is tested on a CPU) and leaving it, the gloo groups beside it, the
+decisions every rank must take alike, and what a rank that fails alone tells the others."""
 import gc
 import importlib
+import json
 import os
 import signal
+import socket
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ def init(device_arg):
         # gloo's worker threads, past leave().
         importlib.import_module("torch.distributed.nn")  # not `import torch...`: that would make torch local here
         on_cuda = device.startswith("cuda")  # NCCL for CUDA, bound to this process's GPU
-        dist.init_process_group("nccl" if on_cuda else "gloo", store=restart_safe_store(world_size), rank=rank,
+        global _agent_store
+        _agent_store = restart_safe_store(world_size)
+        dist.init_process_group("nccl" if on_cuda else "gloo", store=_agent_store, rank=rank,
                                 world_size=world_size, device_id=torch.device(device) if on_cuda else None)
     return rank, local_rank, world_size, device
 
@@ -47,6 +51,7 @@ def restart_safe_store(world_size):
     return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+_agent_store = None  # restart_safe_store's, which outlives the ranks; None without torchrun's agent
 _host_groups = {}
 
 
@@ -111,6 +116,37 @@ def agree(error):
     errors = [e for e in every_rank(error) if e is not None]
     if errors:
         raise RunError(errors[0])
+
+
+FAILED_ALONE = "failed_alone"  # the store's key for what a rank that failed alone said
+
+
+def fail_alone(line):
+    """line, an error that this rank met alone (a window of the data no other rank reads, an error
+    of its own), as this rank says it: naming the rank under torchrun. Left in torchrun's store for
+    the other ranks, whose next collective fails once this rank has left (peer_failure)."""
+    if not dist.is_initialized():
+        return line
+    line = f"rank {dist.get_rank()}: {line}"
+    if _agent_store is not None:
+        try:
+            _agent_store.set(FAILED_ALONE, json.dumps([line, socket.gethostname()]))
+        except RuntimeError:  # the agent is gone: the others learn only that this rank left
+            pass
+    return line
+
+
+def peer_failure():
+    """What this rank says of another rank that failed alone and left (fail_alone), which is why a
+    collective failed here: None where none did; else that rank's line on rank 0 where that rank ran
+    on another host, whose output holds its line; else "" (the line is in this host's output)."""
+    try:
+        if _agent_store is None or not _agent_store.check([FAILED_ALONE]):
+            return None
+        line, host = json.loads(_agent_store.get(FAILED_ALONE))
+    except RuntimeError:
+        return None
+    return line if dist.get_rank() == 0 and host != socket.gethostname() else ""
 
 
 class StopSignal:

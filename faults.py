@@ -12,6 +12,7 @@ from distributed import RunError
 from inputs import brief
 
 KINDS = ("nan", "oom", "sigterm", "sigkill")
+IMPOSSIBLE_BYTES = 2**62  # what --fault oom allocates: past any memory, and past any address space
 
 
 def parse_fault(spec):
@@ -71,8 +72,9 @@ class Faults:
         return output
 
     def out_of_memory(self, model, inputs):
-        """A forward pre-hook: the first training forward of an oom step raises what CUDA's allocator
-        raises when it runs out (the step's retry, at half the micro-batch, then runs)."""
+        """A forward pre-hook: the first training forward of an oom step asks its device for more
+        memory than any has, and its allocator fails as when memory runs out (torch.OutOfMemoryError
+        on a GPU, a RuntimeError on the host); the step's retry, at half the micro-batch, then runs."""
         if self.oom_now and model.training:
             self.oom_now = False
-            raise torch.OutOfMemoryError("out of memory (injected by --fault oom)")
+            torch.empty(IMPOSSIBLE_BYTES, dtype=torch.uint8, device=inputs[0].device)

@@ -30,6 +30,7 @@ import sharding
 import train_config
 from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
+from cli import first_line, print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
 from devices import peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, on_every_rank
@@ -185,12 +186,17 @@ def load_data(cfg, gpt_config, micro_batch, procs):
         raise RunError(fineweb.no_train_shards(cfg.data_dir, val_paths))
     loader = partial(ShardLoader, B=micro_batch, T=cfg.batch.seq_len, rank=procs.rank, world_size=procs.world_size,
                      vocab_size=gpt_config.vocab_size)
-    train_loader = loader(train_paths, seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle))
-    val_loader = loader(val_paths, shuffle=False) if val_paths else None
     if cfg.runtime.check_data == "full":
         procs.log(f"reading every token id of {len(train_paths) + len(val_paths)} shards (--check_data full)")
-    for shard in train_loader.shards + (val_loader.shards if val_loader else []):
-        shard.check_ids(gpt_config.vocab_size, full=cfg.runtime.check_data == "full")
+
+    def checked_loaders():
+        train_loader = loader(train_paths, seed=cfg.runtime.seed, shuffle=bool(cfg.runtime.shuffle))
+        val_loader = loader(val_paths, shuffle=False) if val_paths else None
+        for shard in train_loader.shards + (val_loader.shards if val_loader else []):
+            shard.check_ids(gpt_config.vocab_size, full=cfg.runtime.check_data == "full")
+        return train_loader, val_loader
+    # Agreed: a node whose copy of the shards differs stops every rank, not only its own.
+    train_loader, val_loader = on_every_rank(checked_loaders, errors=(ShardError,))
     evaluation = cfg.eval
     if val_loader is None:
         procs.log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
@@ -379,7 +385,9 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         try:
             with trainable.step_model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
                 loss = trainable.step_model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
             out_of_memory = True
         # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
         stop, out_of_memory = stop_requested(out_of_memory)
@@ -392,7 +400,9 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         loss_sum += loss.detach()
         try:
             trainable.scaler.scale(loss).backward()
-        except torch.OutOfMemoryError:
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
             out_of_memory = True
     if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
         rewind()
@@ -525,7 +535,10 @@ def estimate_val_loss(trainable, loader, steps):
 
 
 def main(argv=None):
-    """Runs train() and returns its model; a run error is one line on stderr and exit code 1."""
+    """Runs train() and returns its model; a run error is one line on stderr (and in torchrun's
+    summary) and exit code 1. Under torchrun rank 0 says an error that every rank meets alike; one
+    that a rank meets alone (a window of the data only it reads) that rank says, naming itself, and
+    the others, whose next collective fails once it has left, stop with it, without a traceback."""
     cfg = parse_args(argv)
     if cfg.plan:
         return memory.print_plan(cfg)
@@ -533,18 +546,30 @@ def main(argv=None):
     # Looked at before the ranks meet, so before any of them makes it: a start that fails leaves no
     # log_dir it made holding only its .lock.
     new_log_dir = rank == 0 and not os.path.lexists(cfg.log_dir)
+    error = None  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
     try:
         return train(cfg)
-    except (RunError, CheckpointError, ShardError) as e:
-        error, code = str(e), 1  # only the text: the exception's traceback would keep train()'s DDP wrapper alive
+    except (RunError, CheckpointError) as e:  # met by every rank alike (agree, on_every_rank)
+        error, code = str(e) if rank == 0 else None, 1
+    except ShardError as e:  # setup agrees on every shard: this is a window only this rank reads
+        error, code = distributed.fail_alone(str(e)), 1
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
-        error, code = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest", 130
+        interrupted = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest"
+        error, code = interrupted if rank == 0 else None, 130
+    except Exception as e:
+        # A collective that failed because another rank failed alone and left, or an error of this
+        # rank's own: its traceback follows, and the others learn of it.
+        error = distributed.peer_failure() if isinstance(e, RuntimeError) else None
+        if error is None:
+            tell_torchrun(distributed.fail_alone(f"{type(e).__name__}: {first_line(e)}"))
+            raise
+        code = 1
     finally:
+        if error:  # before leaving: torchrun stops the other ranks as soon as one has exited
+            print_error(f"error: {error}")
         distributed.leave()
     if new_log_dir:
         remove_if_unused(cfg.log_dir)
-    if rank == 0:
-        print(f"error: {error}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -83,6 +83,19 @@ def run_torchrun(*args, nproc=2, timeout=300, preexec_fn=None):
     return finish_torchrun(popen_torchrun(*args, nproc=nproc, preexec_fn=preexec_fn), timeout)
 
 
+def said_errors(stderr):
+    """The error lines that the ranks of a torchrun run said ("error: ..."), not torchrun's summary,
+    which gives one of them again as its root cause (torchrun_root_cause)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def torchrun_root_cause(stderr):
+    """The message that torchrun's summary of its failed ranks gives as the root cause (the failure
+    of the earliest time)."""
+    root = stderr[stderr.index("Root Cause (first observed failure):"):]
+    return next(line for line in root.splitlines() if line.startswith("  traceback : "))[len("  traceback : "):]
+
+
 def make_tiny_gpt(vocab_size=50304, block_size=64, seed=0):
     """A tiny GPT with every parameter moved off its init value; vocab_size 50304 is the
     padded vocabulary of training."""

@@ -16,7 +16,7 @@ import export_hf
 import hellaswag
 import sample
 from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
-                      make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun,
+                      make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun, said_errors,
                       save_as_checkpoint, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -490,7 +490,7 @@ def test_a_bad_random_state_of_one_rank_stops_every_rank_with_one_line(copy, sha
     assert result.returncode != 0 and "resuming from" not in result.stdout
     assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [
         f"rank 0 stops: {expected}", f"rank 1 stops: {expected}"], result.stdout[-3000:]
-    assert result.stderr.count(f"error: {expected}") == 1 and "exitcode  : 1" in result.stderr
+    assert said_errors(result.stderr) == [f"error: {expected}"] and "exitcode  : 1" in result.stderr
 
 
 @pytest.mark.parametrize("row, where", [

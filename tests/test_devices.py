@@ -82,22 +82,84 @@ def test_allow_tf32_sets_high_precision_and_warns_nothing():
     assert (result.returncode, result.stdout, result.stderr) == (0, "high\n", "")
 
 
-def test_available_memory_is_memavailable_or_less_under_a_containers_limit(tmp_path, monkeypatch):
-    """What -B auto fits on a CPU: MemAvailable, unless a cgroup's limit less its usage leaves less
-    ("max", or v1's number past any memory, is no limit); None where /proc/meminfo is missing."""
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
-    v2, v1 = [(tmp_path / f"{name}.max", tmp_path / f"{name}.current") for name in ("v2", "v1")]
-    monkeypatch.setattr(devices, "MEMINFO", str(meminfo))
-    monkeypatch.setattr(devices, "CGROUP_MEMORY", [tuple(map(str, v2)), tuple(map(str, v1))])
-    assert devices.available_memory() == 20000000 * 1024  # no cgroup files
-    v2[0].write_text("max\n"), v2[1].write_text("5000000000\n")
-    v1[0].write_text("9223372036854771712\n"), v1[1].write_text("7000000000\n")
-    assert devices.available_memory() == 20000000 * 1024
-    v2[0].write_text("12000000000\n")  # a 12 GB container, 5 GB of it in use
-    assert devices.available_memory() == 7_000_000_000
-    monkeypatch.setattr(devices, "MEMINFO", str(tmp_path / "missing"))
-    assert devices.available_memory() is None
+GiB = 2**30
+NO_LIMIT_V1 = "9223372036854771712"  # what v1 writes where no limit is set
+# /proc/self/cgroup, /proc/self/mountinfo and the cgroup files of three machines: cgroup v2 with a
+# job's limit two levels above the process; v1 beside a v2 hierarchy (this project's machine), the
+# root unlimited, a parent's limit nearly spent; v1 in a container whose own cgroup is mounted as the root.
+CGROUPS = {
+    "v2": ("0::/job.slice/job-7.scope/task\n",
+           "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n",
+           {"job.slice/memory.max": "max", "job.slice/memory.current": str(3 * GiB),
+            "job.slice/job-7.scope/memory.max": str(3 * GiB // 2), "job.slice/job-7.scope/memory.current": str(GiB // 2),
+            "job.slice/job-7.scope/task/memory.max": "max", "job.slice/job-7.scope/task/memory.current": str(GiB // 4)},
+           GiB),
+    "v1": ("9:name=systemd:/\n4:memory:/process_api/0342c1\n1:cpu:/\n0::/\n",
+           "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+           "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+           "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+           "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+           {"memory/memory.limit_in_bytes": NO_LIMIT_V1, "memory/memory.usage_in_bytes": str(9 * GiB),
+            "memory/process_api/memory.limit_in_bytes": str(4 * GiB),
+            "memory/process_api/memory.usage_in_bytes": str(4 * GiB - GiB // 5),
+            "memory/process_api/0342c1/memory.limit_in_bytes": str(3 * GiB // 2),
+            "memory/process_api/0342c1/memory.usage_in_bytes": str(GiB // 2),
+            "unified/memory.max": str(GiB // 10), "unified/memory.current": "0"},  # not the memory controller's
+           GiB // 5),
+    "v1 in a container": ("4:memory:/docker/ab12\n",
+                          "35 31 0:32 /docker/ab12 /sys/fs/cgroup/memory ro,relatime master:16 - cgroup cgroup rw,memory\n",
+                          {"memory/memory.limit_in_bytes": str(3 * GiB // 2),
+                           "memory/memory.usage_in_bytes": str(GiB // 2)},
+                          GiB),
+}
+
+
+def fake_host(root, meminfo_kib, cgroup="", mountinfo="", files=None):
+    """A copy of the /proc and /sys that available_memory reads, under root."""
+    for path, text in {"proc/meminfo": f"MemTotal: 24684092 kB\nMemAvailable: {meminfo_kib} kB\n",
+                       "proc/self/cgroup": cgroup, "proc/self/mountinfo": mountinfo,
+                       **{f"sys/fs/cgroup/{name}": f"{value}\n" for name, value in (files or {}).items()}}.items():
+        os.makedirs(os.path.dirname(root / path), exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+@pytest.mark.parametrize("machine", CGROUPS)
+def test_available_memory_is_the_least_left_by_the_processs_own_cgroup_and_those_above_it(tmp_path, machine):
+    """What -B auto fits on a CPU: MemAvailable, unless the memory cgroup that /proc/self/cgroup
+    names for this process, or one above it, leaves less (its limit less its usage; "max", or v1's
+    number past any memory, is no limit). A 1.5 GiB limit on a container's or job's own cgroup counts,
+    not only one on the root."""
+    cgroup, mountinfo, files, headroom = CGROUPS[machine]
+    root = fake_host(tmp_path, 20_000_000, cgroup, mountinfo, files)
+    assert devices.available_memory(root) == headroom
+    assert devices.available_memory(fake_host(tmp_path, 100_000, cgroup, mountinfo, files)) == 100_000 * 1024
+
+
+def test_available_memory_is_memavailable_without_a_limit_and_none_without_meminfo(tmp_path):
+    cgroup, mountinfo, files, _ = CGROUPS["v1"]
+    unlimited = {name: NO_LIMIT_V1 if name.endswith("limit_in_bytes") else value for name, value in files.items()}
+    assert devices.available_memory(fake_host(tmp_path / "unlimited", 20_000_000, cgroup, mountinfo, unlimited)) == \
+        20_000_000 * 1024
+    assert devices.available_memory(fake_host(tmp_path / "none", 20_000_000)) == 20_000_000 * 1024  # no cgroup
+    assert devices.available_memory(str(tmp_path / "elsewhere")) is None  # no /proc/meminfo: not Linux
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads what the process maps in /proc/self/statm")
+def test_the_cpu_allocators_failure_under_a_memory_limit_is_out_of_memory():
+    """Under ulimit -v (here 1 GiB past what the process maps) torch's CPU allocator fails with a
+    plain RuntimeError, not torch.OutOfMemoryError: is_out_of_memory takes it as one, and no other
+    RuntimeError, so the trainer halves -B auto or stops in one line rather than in a traceback."""
+    code = ("import os, resource, torch, devices\n"
+            "mapped = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))\n"
+            "try:\n"
+            "    torch.empty(4 * 2**30, dtype=torch.uint8)\n"
+            "except RuntimeError as e:\n"
+            "    print(type(e).__name__, devices.is_out_of_memory(e), devices.is_out_of_memory(RuntimeError('other')))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, "RuntimeError True False\n"), result.stderr[-2000:]
+    assert devices.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
 
 
 def test_the_cpu_training_rate_is_the_benchmarks_measured_one():

@@ -1,13 +1,16 @@
-"""distributed.py: joining and leaving the process group (setup, leave), and the decisions every
-rank takes alike (every_rank, agree, on_every_rank): in one process, and across two under torchrun."""
+"""distributed.py: joining and leaving the process group (setup, leave), the decisions every rank
+takes alike (every_rank, agree, on_every_rank), and an error of one rank's reaching the user
+(fail_alone, and torchrun's summary): in one process, and across two under torchrun."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
 import distributed
-from helpers import REPO, TINY, run_torchrun
+from data import write_shard
+from helpers import REPO, TINY, run_torchrun, said_errors, torchrun_root_cause, write_token_shards
 from distributed import RunError, agree, every_rank, on_every_rank
 
 
@@ -66,8 +69,55 @@ def test_a_refusal_on_one_rank_stops_every_rank_at_once(shards, tmp_path):
                           "--total_batch_size", "128", "-B", "2", "--max_steps", "4", "--checkpoint_interval", "2",
                           timeout=120)
     assert result.returncode != 0
-    assert result.stderr.count("error: the weights at step 2 are not finite: not checkpointing them") == 1
+    assert said_errors(result.stderr) == ["error: the weights at step 2 are not finite: not checkpointing them"]
     assert "exitcode  : 1" in result.stderr and checkpoint.list_checkpoints(str(tmp_path / "log")) == []
+
+
+# Windows of 16 x 64 tokens, one per rank a step: rank 1 reads windows 1, 3, 5...
+ONE_WINDOW_A_RANK = [*TINY, "-T", "64", "-B", "16", "--total_batch_size", str(2 * 16 * 64), "--max_steps", "40",
+                     "--checkpoint_interval", "0"]
+BAD_ID_AT = 65 * 16 * 64 + 40  # in window 65, at step 32 of rank 1 (its first token, 66560, rank 0 reads as a target)
+
+
+@pytest.fixture(scope="module")
+def bad_id_on_rank_1(tmp_path_factory):
+    """(data_dir, the train shard): id 65535 at BAD_ID_AT of a 210,037-token shard, where only
+    rank 1's windows read it and the start's quick check (the first, middle and last 64K tokens)
+    does not."""
+    directory = tmp_path_factory.mktemp("bad_id")
+    path = write_token_shards(directory, n_train=1, tokens_per_shard=210_000)[1]
+    tokens = np.load(path).astype(np.int64)
+    assert 1 << 16 <= BAD_ID_AT < len(tokens) // 2 - (1 << 15)  # between the quick check's first and middle reads
+    tokens[BAD_ID_AT] = 65535
+    write_shard(path, tokens)
+    return str(directory), path
+
+
+@pytest.mark.slow
+def test_a_shard_error_on_one_rank_is_one_line_naming_the_rank_and_the_shard(bad_id_on_rank_1, tmp_path):
+    """A bad id that only rank 1 reads, mid-run: rank 1 says so in one line, naming itself and the
+    shard; rank 0, whose next collective fails, stops with it, without gloo's traceback; torchrun's
+    summary gives the line as the root cause."""
+    data_dir, shard = bad_id_on_rank_1
+    result = run_torchrun("train_gpt2.py", *ONE_WINDOW_A_RANK, "--data_dir", data_dir, "--log_dir", tmp_path,
+                          timeout=240)
+    line = f"error: rank 1: {shard}: token id 65535 at position {BAD_ID_AT} is >= vocab_size 256"
+    assert result.returncode != 0 and "step    31 |" in result.stdout and "step    32 |" not in result.stdout
+    assert said_errors(result.stderr) == [line], result.stderr[-3000:]
+    assert "[rank0]" not in result.stderr and "Connection closed" not in result.stderr
+    assert torchrun_root_cause(result.stderr) == line
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_run_error_is_torchruns_root_cause(shards, tmp_path):
+    """Every rank refuses a step that does not divide over 2 ranks; rank 0 says it, first, and
+    torchrun's summary of the failed ranks gives that line as the root cause, not a pointer to its docs."""
+    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path,
+                          "--total_batch_size", "96", "-B", "1", timeout=120)
+    line = "error: --total_batch_size 96 is not a multiple of B*T*world_size = 1*32*2 = 64; try --total_batch_size 128 or another -B"
+    assert result.returncode != 0
+    assert result.stderr.splitlines()[0] == line, result.stderr[-3000:]
+    assert said_errors(result.stderr) == [line] and torchrun_root_cause(result.stderr) == line
 
 
 GLOO_THREADS_AT_EXIT = """
@@ -172,3 +222,28 @@ def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_one_is_pr
     for node in run_two_nodes(*run):  # the same commands again: --resume auto
         assert node.returncode == 0, node.stderr[-3000:]
     assert [r["train_loss"] for r in train_records(read_log(tmp_path / "preempted"))] == expected
+
+
+ON_ANOTHER_HOST = """
+import os, socket, sys
+sys.path.insert(0, {repo!r})
+if os.environ["RANK"] == "1":
+    socket.gethostname = lambda: "node-1"  # as on a second machine
+import train_gpt2
+train_gpt2.main()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_on_another_node_is_named_on_rank_0s_node_too(bad_id_on_rank_1, tmp_path):
+    """Two launchers (--nnodes=2), rank 1's on "another host": rank 1 says its shard error on its
+    node, and rank 0, whose collective then fails, says the same line on its node, where the user
+    of node 0's output would otherwise see nothing."""
+    data_dir, shard = bad_id_on_rank_1
+    script = tmp_path / "on_another_host.py"
+    script.write_text(ON_ANOTHER_HOST.format(repo=REPO))
+    nodes = run_two_nodes(script, *ONE_WINDOW_A_RANK, "--data_dir", data_dir, "--log_dir", tmp_path / "log")
+    line = f"error: rank 1: {shard}: token id 65535 at position {BAD_ID_AT} is >= vocab_size 256"
+    for node in nodes:
+        assert node.returncode != 0 and said_errors(node.stderr) == [line], node.stderr[-3000:]
+        assert "Connection closed" not in node.stderr and torchrun_root_cause(node.stderr) == line

@@ -22,8 +22,8 @@ from checkpoint import load_checkpoint
 from data import ShardLoader, list_shards, write_shard
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run,
                      error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
-                     run_script, run_torchrun, save_as_checkpoint, train, train_records, write_jsonl,
-                     write_token_shards)
+                     run_script, run_torchrun, save_as_checkpoint, torchrun_root_cause, train, train_records,
+                     write_jsonl, write_token_shards)
 from model import GPT, GPTConfig
 from optimizers import OptimizerConfig, build_optimizer
 from trainable import StepConfig, Trainable, build_trainable
@@ -372,9 +372,10 @@ def test_a_val_loss_that_is_not_finite_stops_the_run_naming_the_val_shards(shard
 def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(shards, tmp_path):
     result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, "--max_lr", "x")
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "error: argument --max_lr" in line]
-    assert errors == ["train_gpt2.py: error: argument --max_lr: invalid float value: 'x' (see --help)"], \
+    line = "train_gpt2.py: error: argument --max_lr: invalid float value: 'x' (see --help)"
+    assert [text for text in result.stderr.splitlines() if text.startswith("train_gpt2.py: error:")] == [line], \
         result.stderr[-3000:]
+    assert torchrun_root_cause(result.stderr) == line  # torchrun's summary gives it too, where the user looks
 
 
 def test_a_missing_resume_path_is_the_error_before_any_download(shards, tmp_path, capsys, monkeypatch):
