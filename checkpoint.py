@@ -221,6 +221,9 @@ class OptimizerPart:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, saved):
+        problem = saved_optimizer_problem(self.raw_model, self.optimizer, saved)
+        if problem:
+            raise Unrestorable(problem)
         if isinstance(self.raw_model, FSDPModule):
             set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer),
                                      keyed_by_name(self.raw_model, self.optimizer, saved),
@@ -284,9 +287,12 @@ class LoaderPart:
         return self.loader.state_dict()
 
     def load_state_dict(self, saved):
+        problem = self.loader.position_problem(saved)
+        if problem:
+            raise Unrestorable(problem)
         self.loader.load_state_dict(saved)
-        if int(saved["tokens_per_index"]) != self.loader.tokens_per_index:
-            return (f"was saved by a run of micro-batches of {int(saved['tokens_per_index']):,} tokens over all "
+        if saved["tokens_per_index"] != self.loader.tokens_per_index:
+            return (f"was saved by a run of micro-batches of {saved['tokens_per_index']:,} tokens over all "
                     f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer step, "
                     f"in other micro-steps")
         return None
@@ -488,12 +494,44 @@ def changed_hyperparameters(saved_flags, flags):
             if name in saved_flags and name in flags and saved_flags[name] != flags[name]]
 
 
+def saved_optimizer_problem(raw_model, optimizer, saved):
+    """Why saved (optimizer.state_dict()'s form, as one file holds it) holds a state that torch's
+    load would cast into shape rather than refuse, or None: each tensor of a parameter's state
+    (AdamW's moments, Muon's momentum) must be of the parameter's dtype, as the optimizer keeps
+    it (a bool one would be loaded as moments of 0 and 1), and its step count a real number, not
+    a bool. A sharded checkpoint's are read as the dtype the optimizer holds, or refused
+    (dcp_reader). What load leaves is checked after it (optimizer_state_problem)."""
+    names = parameter_names(raw_model)
+    for part, saved_part in saved_parts(optimizer, saved):
+        # Matched as torch's load matches them: the saved ids, in group order, to this run's parameters.
+        saved_ids = [i for group in saved_part["param_groups"] for i in group["params"]]
+        params = [p for group in part.param_groups for p in group["params"]]
+        for i, param in zip(saved_ids, params):
+            for key, value in saved_part["state"].get(i, {}).items():
+                problem = saved_value_problem(key, value, param)
+                if problem:
+                    return f"the state of {names[id(param)]}: {key} {problem}"
+    return None
+
+
+def saved_value_problem(key, value, param):
+    """Why value, saved under key of param's optimizer state, is not of the kind that state holds, or None."""
+    tensor = isinstance(value, torch.Tensor)
+    if key == "step":
+        real = tensor and value.dtype != torch.bool and not value.dtype.is_complex or type(value) in (int, float)
+        return None if real else f"is {value.dtype if tensor else brief(value)}, not a count"
+    if tensor and value.dtype != param.dtype:
+        return f"is {value.dtype}, not its parameter's {param.dtype}"
+    return None  # not a tensor: loaded as it is, and refused then
+
+
 def optimizer_state_problem(raw_model, optimizer):
     """Why the state that optimizer has loaded cannot step raw_model's parameters, or None: each
     tensor of a parameter's state (AdamW's moments, Muon's momentum) finite and of the parameter's
-    shape, and its step count one finite number, 0 or more. torch loads a tampered one as it is
-    (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN.
-    The param groups' settings are this run's own (with_run_settings), checked as its flags are."""
+    shape, AdamW's exp_avg_sq (a mean of squares) 0 or more, and its step count one finite number,
+    0 or more. torch loads a tampered one as it is (casting its tensors to the parameter's dtype
+    and device), to fail at the first step or train on from NaN. The param groups' settings are
+    this run's own (with_run_settings), checked as its flags are."""
     names = parameter_names(raw_model)
     for part in torch_optimizers(optimizer):
         for param in (p for group in part.param_groups for p in group["params"]):
@@ -522,6 +560,8 @@ def state_value_problem(key, value, param):
     local = value.to_local() if isinstance(value, DTensor) else value
     if not local.isfinite().all():
         return "holds NaN or infinite values"
+    if key == "exp_avg_sq" and (local < 0).any():
+        return "holds negative values: a mean of squares is 0 or more"
     if key == "step" and local.item() < 0:
         return f"is {local.item():g}, not a count of 0 or more"
     return None

@@ -451,10 +451,12 @@ def start_or_resume(output_dir, prefix, run):
     if others:
         raise InputError(f"{output_dir} holds shards of another prefix ({os.path.basename(others[0])}); "
                          f"training would read them too: move them or choose another --output_dir")
-    missing = [index for index in range(manifest["shards"]) if index not in ours]
-    if missing:
-        raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']} shards, but "
-                         f"{shard_name(prefix, split_of(missing[0]), missing[0])} is missing; delete it and rerun")
+    # Of more shards than there are files, one of the first len(ours) + 1 is missing: a count of
+    # 10**12 is never walked.
+    missing = next((i for i in range(min(manifest["shards"], len(ours) + 1)) if i not in ours), None)
+    if missing is not None:
+        raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']:,} shards, but "
+                         f"{shard_name(prefix, split_of(missing), missing)} is missing; delete it and rerun")
     # An incomplete run's next shard may be there: a kill came between it and the manifest.
     last = manifest["shards"] - 1 if manifest["complete"] else manifest["shards"]
     unlisted = sorted(index for index in ours if index > last)

@@ -505,3 +505,119 @@ def test_non_finite_weights_are_refused_naming_the_padding_rows_when_only_they_h
     with pytest.raises(checkpoint.CheckpointError) as e:
         loading.load_model(path)
     assert str(e.value) == f"{path}: transformer.wte.weight holds NaN or infinite values{where}: no model to use"
+
+
+def tampered(optimizer, name, key, change):
+    """optimizer with change(value) in place of its state's key of the parameter name (every
+    parameter's, for name None)."""
+    from optimizers import torch_optimizers
+    for part in torch_optimizers(optimizer):
+        for param, state in part.state.items():
+            if key in state and (name is None or param is name):
+                state[key] = change(state[key])
+    return optimizer
+
+
+def bool_tensor(value):
+    return value > 0
+
+
+@pytest.mark.parametrize("kind, key, change, every, one_file, sharded", [
+    ("adamw", "exp_avg", bool_tensor, False, "exp_avg is torch.bool, not its parameter's torch.float32",
+     "is declared torch.bool, where this model holds torch.float32"),
+    ("adamw", "step", lambda step: torch.tensor(True), True, "step is torch.bool, not a count",
+     "is declared torch.bool, where this model holds torch.float32"),
+    ("adamw", "exp_avg_sq", torch.neg, False, "exp_avg_sq holds negative values: a mean of squares is 0 or more", None),
+    ("muon", "momentum_buffer", bool_tensor, False,
+     "momentum_buffer is torch.bool, not its parameter's torch.float32",
+     "is declared torch.bool, where this model holds torch.float32"),
+])
+def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_and_the_part(
+        tmp_path, kind, key, change, every, one_file, sharded):
+    """Moments or a momentum buffer of another dtype (torch's load would cast a bool's to 0s and 1s
+    and train on), a negative mean of squares, a step counter that is a bool: each format refuses
+    them, as the trainer's resume reads them (OptimizerPart), naming the parameter or the entry."""
+    from optimizers import OptimizerConfig, muon_params
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    param = muon_params(model)[0] if kind == "muon" else model.transformer.wte.weight
+    name = "transformer.h.0.attn.c_attn.weight" if kind == "muon" else "transformer.wte.weight"
+    config = OptimizerConfig(kind, 1e-3, 0.1)
+    saved = tampered(stepped_optimizer(model, config), None if every else param, key, change)
+    part = checkpoint.OptimizerPart(model, checkpoint.build_optimizer(model, config, "cpu"))
+    with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring("ckpt_000004.pt", "optimizer"):
+        part.load_state_dict(saved.state_dict())
+    assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
+    save_sharded(tmp_path / "ckpt", model, saved, {})
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+    expected = (f"{tmp_path / 'ckpt'}: refused: its entry optimizer.state.{name}.{key} {sharded}; nothing was read"
+                if sharded else f"{tmp_path / 'ckpt'}: its optimizer cannot be restored (the state of {name}: {one_file})")
+    assert str(e.value) == expected
+
+
+def store_instead(ckpt, key, tensor):
+    """ckpt (sharded) with the entry key's piece pointed at tensor, stored after the rest of its
+    storage file: its .metadata still declares what train_gpt2.py stored there."""
+    import io
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def edit(metadata):
+        index = next(i for i in metadata.storage_data if i.fqn == key)
+        file = ckpt / metadata.storage_data[index].relative_path
+        data = io.BytesIO()
+        torch.save(tensor, data)
+        metadata.storage_data[index] = _StorageInfo(file.name, file.stat().st_size, len(data.getvalue()))
+        with open(file, "ab") as f:
+            f.write(data.getvalue())
+    edit_metadata(ckpt, edit)
+
+
+def test_a_piece_stored_in_another_dtype_than_it_is_read_into_is_refused(copy, shards, tmp_path, capsys):
+    """Read into the model's float32 tensors, a bool piece would be cast to 0s and 1s."""
+    ckpt = copy / "ckpt_000004"
+    store_instead(ckpt, WTE, torch.ones(256, 32, dtype=torch.bool))
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / STORAGE_FILE}: refused: it stores {WTE} as "
+                                                        f"torch.bool, where this model holds torch.float32")
+    key = "optimizer.state.transformer.wte.weight.exp_avg"
+    store_instead(copy / "ckpt_000002", key, torch.ones(256, 32, dtype=torch.bool))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume",
+                       copy / "ckpt_000002")
+    assert message == (f"error: {copy / 'ckpt_000002' / STORAGE_FILE}: refused: it stores {key} as torch.bool, where "
+                       f"this model holds torch.float32")
+
+
+def edited_state(ckpt, edit, out):
+    """ckpt's train_state.pt (sharded) or contents (one file) as edit(state) leaves them, written as
+    the same kind at out; returns out."""
+    state = checkpoint.load_checkpoint(str(ckpt))
+    edit(state)
+    if os.path.isdir(ckpt):
+        shutil.copytree(ckpt, out)
+        torch.save(state, os.path.join(out, checkpoint.TRAIN_STATE))
+    else:
+        torch.save(state, out)
+    return out
+
+
+@pytest.mark.parametrize("position, problem", [
+    ({"index": -3}, "its index is -3, of 256 tokens each: a position outside this run's shards (36,222 tokens)"),
+    ({"index": 10**9}, "its index is 1000000000, of 256 tokens each: a position outside this run's shards "
+                       "(36,222 tokens)"),
+    ({"tokens_per_index": 0}, "its tokens_per_index is 0, not 1 to 36,222, what this run's shards hold"),
+    ({"tokens_per_index": -256}, "its tokens_per_index is -256, not 1 to 36,222, what this run's shards hold"),
+    ({"epoch": -1}, "its epoch is -1, not a count of 0 or more below 2**63"),
+    ({"epoch": float("inf")}, "its epoch is inf, not an integer"),
+    ({"index": True}, "its index is True, not an integer"),
+])
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_loader_position_its_shards_never_reach_is_refused_naming_the_checkpoint(copy, shards, tmp_path, capsys,
+                                                                                   kind, position, problem):
+    """The train loader's epoch, index and tokens per index, crafted: once trained on from a
+    position before or past the shards, or an epoch of inf (an OverflowError traceback)."""
+    ckpt = copy / "ckpt_000002"
+    if kind == "one-file":
+        checkpoint.main([str(ckpt), str(tmp_path / "one_file.pt")])
+        ckpt = tmp_path / "one_file.pt"
+    edited = edited_state(ckpt, lambda state: state["train_loader"].update(position), tmp_path / "edited")
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", edited)
+    assert message == f"error: {edited}: its train_loader cannot be restored ({problem})"
