@@ -182,7 +182,8 @@ def in_storage(parts):
 
 class ModelPart:
     """The weights of raw_model, the plain GPT (FSDP-sharded or not): state_dict() with plain GPT
-    keys, whole, as one file holds them; either form loads into a model sharded or not."""
+    keys, whole, as one file holds them; either form loads into a model sharded or not, and is
+    then checked on every rank, as the scripts check a model they load (non_finite_weights)."""
 
     def __init__(self, raw_model):
         self.raw_model = raw_model
@@ -200,12 +201,40 @@ class ModelPart:
             set_model_state_dict(self.raw_model, saved, options=StateDictOptions(full_state_dict=True))
         else:
             self.raw_model.load_state_dict(saved)
+        self.check()
 
     def dcp_state_dict(self):
         return get_model_state_dict(self.raw_model)
 
     def load_dcp_state_dict(self, loaded):
         set_model_state_dict(self.raw_model, loaded)
+        self.check()
+
+    def check(self):
+        """Every rank stops alike, naming the weight: a run resumed from NaN would fail steps
+        later, at a save or an evaluation, blaming neither the checkpoint nor the weight."""
+        if not all(every_rank(self.finite())):
+            raise Unrestorable(non_finite_weights(self.raw_model))
+
+
+def non_finite_weights(model):
+    """"NAME holds NaN or infinite values" for the first weight of model (a GPT) that does, with
+    the rows where they lie if only rows that pad the vocabulary hold them, or None. Of a sharded
+    model, on every rank at once: each weight is gathered whole."""
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not whole.isfinite().all():
+            return f"{name} holds NaN or infinite values{padding_only(model, name, whole)}"
+    return None
+
+
+def padding_only(model, name, tensor):
+    """", only in rows 50257-50303, ..." where the non-finite values of model's weight name (tensor)
+    lie only in the rows that pad its vocabulary (the token embedding's, which the head shares), else ""."""
+    rows, vocab = model.config.vocab_size, model.n_tokens
+    if name not in ("transformer.wte.weight", "lm_head.weight") or rows == vocab or not tensor[:vocab].isfinite().all():
+        return ""
+    return f", only in rows {vocab}-{rows - 1}, which pad the vocabulary and which no token id reaches"
 
 
 class OptimizerPart:
@@ -589,12 +618,16 @@ def model_of(path, config, dropout=None, **options):
 
 
 def model_fields(path, config):
-    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold only
-    GPTConfig's fields: another is a CheckpointError, named within bounds."""
+    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold GPTConfig's
+    fields and only those (dropout may be missing: GPTConfig once had none): a field of another,
+    or one missing, is a CheckpointError, named within bounds."""
     unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
     if unknown is not None:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
                               f"which GPTConfig lacks)")
+    missing = next((k for k in GPTConfig.__dataclass_fields__ if k not in config and k != "dropout"), None)
+    if missing is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config lacks GPTConfig's field {missing})")
     return config
 
 

@@ -621,3 +621,58 @@ def test_a_loader_position_its_shards_never_reach_is_refused_naming_the_checkpoi
     edited = edited_state(ckpt, lambda state: state["train_loader"].update(position), tmp_path / "edited")
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", edited)
     assert message == f"error: {edited}: its train_loader cannot be restored ({problem})"
+
+
+@pytest.mark.parametrize("row, where", [
+    (50300, ", only in rows 50257-50303, which pad the vocabulary and which no token id reaches"),
+    (3, ""),  # a row that token 3 reads: the loss is NaN from the first step
+])
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_refuse_it(tmp_path, kind, row, where):
+    """As load_model names it for sample.py, export_hf.py, hellaswag.py and --init_from: a resume
+    would train on to a save ("the weights at step N are not finite") or an evaluation ("the val
+    loss ... is nan"), naming neither the checkpoint nor the weight."""
+    saved = make_tiny_gpt()
+    with torch.no_grad():
+        saved.transformer.wte.weight[row, 3] = float("nan")
+    part = checkpoint.ModelPart(make_tiny_gpt(seed=1))
+    path = tmp_path / "ckpt_000004"
+    if kind == "one-file":
+        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring(str(path), "model"):
+            part.load_state_dict(saved.state_dict())
+    else:
+        save_sharded(path, saved, saved.configure_optimizers(0.1, 1e-3, "cpu"), {})
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.load_parts(str(path), {}, {"model": part})
+    assert str(e.value) == f"{path}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values" \
+                           f"{where})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_resumed_model_that_is_not_finite_stops_every_fsdp_rank_with_one_line(copy, shards, tmp_path, kind):
+    """Under FSDP each rank holds a slice of the weights: the one that holds the NaN, and the other, stop alike."""
+    one_file = tmp_path / "ckpt_000004.pt"
+    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    state = torch.load(one_file)
+    state["model"]["transformer.wte.weight"][200, 3] = float("nan")  # rank 1's rows of 256
+    torch.save(state, one_file)
+    ckpt = as_sharded(one_file, tmp_path / "ckpt_000004") if kind == "sharded" else one_file
+    script = tmp_path / "rank_stops.py"
+    script.write_text(RANK_STOPS.format(repo=REPO))
+    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--max_steps", "6", "--fsdp", "1", "--data_dir", shards,
+                          "--log_dir", tmp_path / "log", "--resume", ckpt, timeout=120)
+    expected = f"{ckpt}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values)"
+    assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [
+        f"rank 0 stops: {expected}", f"rank 1 stops: {expected}"], result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.count(f"error: {expected}") == 1
+
+
+def test_a_config_that_lacks_a_field_names_it_in_every_reader_and_resume(copy, shards, tmp_path, capsys):
+    """GPTConfig's default would stand in for it (12 layers) and fail later, or a resume say
+    "another architecture: ;" naming nothing."""
+    ckpt = edited_state(copy / "ckpt_000004", lambda state: state["config"].pop("n_layer"), tmp_path / "no_n_layer")
+    expected = f"{ckpt}: not a checkpoint of this GPT (its config lacks GPTConfig's field n_layer)"
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt) == \
+        f"error: {expected}"
