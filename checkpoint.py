@@ -984,8 +984,9 @@ def main(argv=None):
     except CheckpointError as e:
         parser.fail(str(e))
     state.update({name: part.state_dict() for name, part in parts.items()})
-    if "args" in state:  # a record from before it was named "flags"
-        state["flags"] = state.pop("args")
+    if "args" in state:  # a record from before it was named "flags", or an older one beside them
+        state["flags"] = recorded_flags(state)
+        del state["args"]
     if not save_checkpoint(args.out, state):
         sys.exit(1)
     print(f"wrote {args.out}: step {state['step']}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")

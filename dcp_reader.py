@@ -154,8 +154,9 @@ class PlainDataPlanner(DefaultLoadPlanner):
 
 class PlainDataReader(FileSystemReader):
     """DCP's file reader, but the metadata is read by read_metadata, every piece it places must lie
-    within a regular file of the directory before any is read, and a storage file that fails to
-    load is named."""
+    within a regular file of the directory, apart from every other piece, before any is read; a
+    tensor is read only as stored in the dtype it is loaded into (read_item), and a storage file
+    that fails to load is named."""
 
     metadata = None  # read once: dcp_load's up-front checks ask for it, then DCP itself
 
@@ -217,10 +218,10 @@ class PlainDataReader(FileSystemReader):
 
 def check_storage_files(path, storage_data):
     """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
-    within a regular file directly in path (not a link), stored as this project writes it (no
-    transforms). Messages show the metadata's values only as brief text."""
-    sizes = {}
-    for info in storage_data.values():
+    within a regular file directly in path (not a link), apart from every other piece, stored as
+    this project writes it (no transforms). Messages show the metadata's values only as brief text."""
+    sizes, spans = {}, {}
+    for index, info in storage_data.items():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not is_file_name(name):
             raise CheckpointError(f"{path}: refused: its .metadata names {brief(name)} as a storage file, "
@@ -242,6 +243,13 @@ def check_storage_files(path, storage_data):
                 and offset + length <= sizes[name]):
             raise CheckpointError(f"{file}: truncated or damaged storage file ({brief(length)} bytes at "
                                   f"{brief(offset)} in its .metadata; the file holds {sizes[name]})")
+        spans.setdefault(name, []).append((offset, offset + length, getattr(index, "fqn", index)))
+    for name, pieces in spans.items():  # DCP writes each piece once, after the one before
+        pieces.sort(key=lambda piece: piece[:2])
+        for (_, end, first), (start, _, second) in zip(pieces, pieces[1:]):
+            if start < end:
+                raise CheckpointError(f"{os.path.join(path, name)}: refused: its .metadata places {brief(second)} in "
+                                      f"bytes of {brief(first)} (at {start:,}): each piece is stored apart")
 
 
 def is_file_name(name):

@@ -1,6 +1,7 @@
 """checkpoint.py: sharded checkpoints are read as plain data by every reader and by resume; a
 crafted one never runs code, a damaged one is one line naming the file, and --resume auto
 passes over it to an older good one."""
+import dataclasses
 import os
 import pickle
 import shutil
@@ -586,6 +587,30 @@ def test_a_piece_stored_in_another_dtype_than_it_is_read_into_is_refused(copy, s
                        f"this model holds torch.float32")
 
 
+def pointed_at(entry, target, shift):
+    """A .metadata edit: entry's piece placed shift bytes into target's."""
+    def edit(metadata):
+        index = {i.fqn: i for i in metadata.storage_data}
+        stored = metadata.storage_data[index[target]]
+        metadata.storage_data[index[entry]] = dataclasses.replace(stored, offset=stored.offset + shift)
+    return edit
+
+
+@pytest.mark.parametrize("shift", [0, 1000], ids=["the same bytes", "bytes within them"])
+def test_a_piece_placed_in_another_pieces_bytes_is_refused_by_every_reader_and_by_resume(copy, shards, tmp_path, capsys,
+                                                                                         shift):
+    """The position embedding read from the token embedding's bytes: DCP stores each piece apart."""
+    ckpt = copy / "ckpt_000004"
+    edit_metadata(ckpt, pointed_at("model.transformer.wpe.weight", WTE, shift))
+    at = read_metadata(ckpt).storage_data
+    offset = next(info.offset for index, info in at.items() if index.fqn == "model.transformer.wpe.weight")
+    expected = (f"{ckpt / STORAGE_FILE}: refused: its .metadata places 'model.transformer.wpe.weight' in bytes of "
+                f"'{WTE}' (at {offset:,}): each piece is stored apart")
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt) == \
+        f"error: {expected}"
+
+
 def edited_state(ckpt, edit, out):
     """ckpt's train_state.pt (sharded) or contents (one file) as edit(state) leaves them, written as
     the same kind at out; returns out."""
@@ -676,3 +701,12 @@ def test_a_config_that_lacks_a_field_names_it_in_every_reader_and_resume(copy, s
     assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
     assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt) == \
         f"error: {expected}"
+
+
+def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_beside_them(copy, tmp_path):
+    flags = checkpoint.recorded_flags(checkpoint.load_checkpoint(str(copy / "ckpt_000004")))
+    ckpt = edited_state(copy / "ckpt_000004", lambda state: state.update(args={**flags, "max_lr": 1.0}),
+                        tmp_path / "both")
+    checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
+    converted = checkpoint.load_checkpoint(str(tmp_path / "out.pt"))
+    assert converted["flags"] == flags and "args" not in converted
