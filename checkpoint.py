@@ -968,10 +968,13 @@ def main(argv=None):
     parser = Parser(prog="checkpoint.py", description=main.__doc__)
     parser.add_argument("sharded", help="a ckpt_XXXXXX/ directory that train_gpt2.py --fsdp 1 wrote")
     parser.add_argument("out", help="the .pt file to write")
+    parser.add_argument("--force", action="store_true", help="replace out if it exists")
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.sharded):
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
     parser.check_output("out", args.out)
+    if os.path.lexists(args.out) and not args.force:
+        parser.refuse_to_replace(args.out, "exists")
     try:
         state = load_checkpoint(args.sharded)
         model = model_of(args.sharded, state["config"])

@@ -725,6 +725,11 @@ def parse_args(argv):
         parser.error("--version picks a FineWeb-Edu sample; with --dataset, use --name")
     if not args.prefix or re.search(r"[\\/]", args.prefix):
         parser.error(f"--prefix {args.prefix!r} must be a non-empty file-name prefix")
+    cores = os.cpu_count() or 1
+    if args.num_proc > cores:  # more processes than cores only share them, each with its own tokenizer's memory
+        print(f"fineweb.py: --num_proc {args.num_proc:,} is more than this machine's {cores} cores: tokenizing in "
+              f"{cores} processes", file=sys.stderr)
+        args.num_proc = cores
     args.version = args.version or "10B"
     if args.dataset in (None, FINEWEB_EDU):
         args.dataset, args.name = FINEWEB_EDU, args.name or VERSIONS[args.version]

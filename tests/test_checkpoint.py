@@ -710,3 +710,13 @@ def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_bes
     checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
     converted = checkpoint.load_checkpoint(str(tmp_path / "out.pt"))
     assert converted["flags"] == flags and "args" not in converted
+
+
+def test_the_conversion_replaces_an_existing_file_only_with_force(copy, tmp_path, capsys):
+    out = tmp_path / "ckpt_000004.pt"
+    out.write_bytes(b"a checkpoint of the user's")
+    assert exit_message(capsys, checkpoint.main, copy / "ckpt_000004", out) == \
+        f"checkpoint.py: error: {out} exists (use --force to replace it)"
+    assert out.read_bytes() == b"a checkpoint of the user's"
+    checkpoint.main([str(copy / "ckpt_000004"), str(out), "--force"])
+    assert checkpoint.load_checkpoint(str(out))["step"] == 4
