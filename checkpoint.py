@@ -184,7 +184,8 @@ def in_storage(parts):
 
 class ModelPart:
     """The weights of raw_model, the plain GPT (FSDP-sharded or not): state_dict() with plain GPT
-    keys, whole, as one file holds them; either form loads into a model sharded or not."""
+    keys, whole, as one file holds them; either form loads into a model sharded or not, and is
+    then checked on every rank, as the scripts check a model they load (non_finite_weights)."""
 
     def __init__(self, raw_model):
         self.raw_model = raw_model
@@ -202,12 +203,40 @@ class ModelPart:
             set_model_state_dict(self.raw_model, saved, options=StateDictOptions(full_state_dict=True))
         else:
             self.raw_model.load_state_dict(saved)
+        self.check()
 
     def dcp_state_dict(self):
         return get_model_state_dict(self.raw_model)
 
     def load_dcp_state_dict(self, loaded):
         set_model_state_dict(self.raw_model, loaded)
+        self.check()
+
+    def check(self):
+        """Every rank stops alike, naming the weight: a run resumed from NaN would fail steps
+        later, at a save or an evaluation, blaming neither the checkpoint nor the weight."""
+        if not all(every_rank(self.finite())):
+            raise Unrestorable(non_finite_weights(self.raw_model))
+
+
+def non_finite_weights(model):
+    """"NAME holds NaN or infinite values" for the first weight of model (a GPT) that does, with
+    the rows where they lie if only rows that pad the vocabulary hold them, or None. Of a sharded
+    model, on every rank at once: each weight is gathered whole."""
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not whole.isfinite().all():
+            return f"{name} holds NaN or infinite values{padding_only(model, name, whole)}"
+    return None
+
+
+def padding_only(model, name, tensor):
+    """", only in rows 50257-50303, ..." where the non-finite values of model's weight name (tensor)
+    lie only in the rows that pad its vocabulary (the token embedding's, which the head shares), else ""."""
+    rows, vocab = model.config.vocab_size, model.n_tokens
+    if name not in ("transformer.wte.weight", "lm_head.weight") or rows == vocab or not tensor[:vocab].isfinite().all():
+        return ""
+    return f", only in rows {vocab}-{rows - 1}, which pad the vocabulary and which no token id reaches"
 
 
 class OptimizerPart:
@@ -223,6 +252,9 @@ class OptimizerPart:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, saved):
+        problem = saved_optimizer_problem(self.raw_model, self.optimizer, saved)
+        if problem:
+            raise Unrestorable(problem)
         if isinstance(self.raw_model, FSDPModule):
             set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer),
                                      keyed_by_name(self.raw_model, self.optimizer, saved),
@@ -286,9 +318,12 @@ class LoaderPart:
         return self.loader.state_dict()
 
     def load_state_dict(self, saved):
+        problem = self.loader.position_problem(saved)
+        if problem:
+            raise Unrestorable(problem)
         self.loader.load_state_dict(saved)
-        if int(saved["tokens_per_index"]) != self.loader.tokens_per_index:
-            return (f"was saved by a run of micro-batches of {int(saved['tokens_per_index']):,} tokens over all "
+        if saved["tokens_per_index"] != self.loader.tokens_per_index:
+            return (f"was saved by a run of micro-batches of {saved['tokens_per_index']:,} tokens over all "
                     f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer step, "
                     f"in other micro-steps")
         return None
@@ -490,12 +525,44 @@ def changed_hyperparameters(saved_flags, flags):
             if name in saved_flags and name in flags and saved_flags[name] != flags[name]]
 
 
+def saved_optimizer_problem(raw_model, optimizer, saved):
+    """Why saved (optimizer.state_dict()'s form, as one file holds it) holds a state that torch's
+    load would cast into shape rather than refuse, or None: each tensor of a parameter's state
+    (AdamW's moments, Muon's momentum) must be of the parameter's dtype, as the optimizer keeps
+    it (a bool one would be loaded as moments of 0 and 1), and its step count a real number, not
+    a bool. A sharded checkpoint's are read as the dtype the optimizer holds, or refused
+    (dcp_reader). What load leaves is checked after it (optimizer_state_problem)."""
+    names = parameter_names(raw_model)
+    for part, saved_part in saved_parts(optimizer, saved):
+        # Matched as torch's load matches them: the saved ids, in group order, to this run's parameters.
+        saved_ids = [i for group in saved_part["param_groups"] for i in group["params"]]
+        params = [p for group in part.param_groups for p in group["params"]]
+        for i, param in zip(saved_ids, params):
+            for key, value in saved_part["state"].get(i, {}).items():
+                problem = saved_value_problem(key, value, param)
+                if problem:
+                    return f"the state of {names[id(param)]}: {key} {problem}"
+    return None
+
+
+def saved_value_problem(key, value, param):
+    """Why value, saved under key of param's optimizer state, is not of the kind that state holds, or None."""
+    tensor = isinstance(value, torch.Tensor)
+    if key == "step":
+        real = tensor and value.dtype != torch.bool and not value.dtype.is_complex or type(value) in (int, float)
+        return None if real else f"is {value.dtype if tensor else brief(value)}, not a count"
+    if tensor and value.dtype != param.dtype:
+        return f"is {value.dtype}, not its parameter's {param.dtype}"
+    return None  # not a tensor: loaded as it is, and refused then
+
+
 def optimizer_state_problem(raw_model, optimizer):
     """Why the state that optimizer has loaded cannot step raw_model's parameters, or None: each
     tensor of a parameter's state (AdamW's moments, Muon's momentum) finite and of the parameter's
-    shape, and its step count one finite number, 0 or more. torch loads a tampered one as it is
-    (casting its tensors to the parameter's dtype), to fail at the first step or train on from NaN.
-    The param groups' settings are this run's own (with_run_settings), checked as its flags are."""
+    shape, AdamW's exp_avg_sq (a mean of squares) 0 or more, and its step count one finite number,
+    0 or more. torch loads a tampered one as it is (casting its tensors to the parameter's dtype
+    and device), to fail at the first step or train on from NaN. The param groups' settings are
+    this run's own (with_run_settings), checked as its flags are."""
     names = parameter_names(raw_model)
     for part in torch_optimizers(optimizer):
         for param in (p for group in part.param_groups for p in group["params"]):
@@ -524,6 +591,8 @@ def state_value_problem(key, value, param):
     local = value.to_local() if isinstance(value, DTensor) else value
     if not local.isfinite().all():
         return "holds NaN or infinite values"
+    if key == "exp_avg_sq" and (local < 0).any():
+        return "holds negative values: a mean of squares is 0 or more"
     if key == "step" and local.item() < 0:
         return f"is {local.item():g}, not a count of 0 or more"
     return None
@@ -551,12 +620,16 @@ def model_of(path, config, dropout=None, **options):
 
 
 def model_fields(path, config):
-    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold only
-    GPTConfig's fields: another is a CheckpointError, named within bounds."""
+    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold GPTConfig's
+    fields and only those (dropout may be missing: GPTConfig once had none): a field of another,
+    or one missing, is a CheckpointError, named within bounds."""
     unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
     if unknown is not None:
         raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
                               f"which GPTConfig lacks)")
+    missing = next((k for k in GPTConfig.__dataclass_fields__ if k not in config and k != "dropout"), None)
+    if missing is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config lacks GPTConfig's field {missing})")
     return config
 
 
@@ -951,10 +1024,13 @@ def main(argv=None):
     parser = Parser(prog="checkpoint.py", description=main.__doc__)
     parser.add_argument("sharded", help="a ckpt_XXXXXX/ directory that train_gpt2.py --fsdp 1 wrote")
     parser.add_argument("out", help="the .pt file to write")
+    parser.add_argument("--force", action="store_true", help="replace out if it exists")
     args = parser.parse_args(argv)
     if not is_sharded_checkpoint(args.sharded):
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
     parser.check_output("out", args.out)
+    if os.path.lexists(args.out) and not args.force:
+        parser.refuse_to_replace(args.out, "exists")
     try:
         state = load_checkpoint(args.sharded)
         model = model_of(args.sharded, state["config"])
@@ -967,8 +1043,9 @@ def main(argv=None):
     except CheckpointError as e:
         parser.fail(str(e))
     state.update({name: part.state_dict() for name, part in parts.items()})
-    if "args" in state:  # a record from before it was named "flags"
-        state["flags"] = state.pop("args")
+    if "args" in state:  # a record from before it was named "flags", or an older one beside them
+        state["flags"] = recorded_flags(state)
+        del state["args"]
     if not save_checkpoint(args.out, state):
         sys.exit(1)
     print(f"wrote {args.out}: step {state['step']}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")

@@ -152,6 +152,11 @@ class Parser(argparse.ArgumentParser):
                 self.error(f"{path}: {key} {problem}")
         return {key: float(value) if flags[key].type is float else value for key, value in values.items()}
 
+    def refuse_to_replace(self, path, state):
+        """The one-line exit for an output path that holds something (state: how, "exists") that
+        the script would replace: only its --force replaces it."""
+        self.fail(f"{path} {state} (use --force to replace it)")
+
     def check_output(self, flag, path):
         """A one-line exit unless path can be written: found out before the work, not after it."""
         try:

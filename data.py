@@ -11,11 +11,13 @@ import re
 import numpy as np
 
 from atomic import atomic_open
+from inputs import brief
 from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY_SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")  # the demo corpus
 SHARD_DTYPE = np.dtype("<u2")  # uint16: GPT-2's 50257 ids fit, at two bytes a token
 SPLITS = ("train", "val")
+MAX_EPOCH = 1 << 63  # a loader's epoch counts up from 0: past a 64-bit count is no run's, but a crafted file's
 
 
 class ShardError(ValueError):
@@ -224,6 +226,26 @@ class ShardLoader:
     def tokens_per_index(self):
         """Tokens all ranks together read per call of next_batch."""
         return self.world_size * self.B * self.T
+
+    def position_problem(self, state):
+        """Why state, a state_dict() to load, is not a position of this loader, or None: its
+        epoch, index and tokens_per_index integers (not bools), the epoch a count below
+        MAX_EPOCH, and the position they record, index calls of tokens_per_index tokens (1 or
+        more) into the epoch, one that a loader over these shards reaches: before their end."""
+        if not isinstance(state, dict):
+            return f"it is {brief(state)}, not a dict"
+        for key in ("epoch", "index", "tokens_per_index"):
+            if type(state.get(key)) is not int:
+                return f"its {key} is {brief(state.get(key))}, not an integer" if key in state else f"it holds no {key}"
+        epoch, index, tokens = state["epoch"], state["index"], state["tokens_per_index"]
+        if not 0 <= epoch < MAX_EPOCH:
+            return f"its epoch is {brief(epoch)}, not a count of 0 or more below 2**63"
+        if not 0 < tokens <= self.n_tokens:
+            return f"its tokens_per_index is {brief(tokens)}, not 1 to {self.n_tokens:,}, what this run's shards hold"
+        if not 0 <= index * tokens < self.n_tokens:
+            return (f"its index is {brief(index)}, of {tokens:,} tokens each: a position outside this run's shards "
+                    f"({self.n_tokens:,} tokens)")
+        return None
 
     def load_state_dict(self, state):
         """Continues where state left off. Saved under another world size or batch shape (an

@@ -4,7 +4,6 @@ holds; here the metadata is unpickled with named classes only (MetadataUnpickler
 must be of the kind and shape this model holds before a byte of it is read (PlainDataPlanner),
 plain data is read with weights_only=True, and every piece must lie within a regular file of the
 directory (PlainDataReader). checkpoint.py reads every sharded checkpoint through dcp_load."""
-import dataclasses
 import io
 import os
 import pickle
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from cli import first_line
@@ -154,8 +154,9 @@ class PlainDataPlanner(DefaultLoadPlanner):
 
 class PlainDataReader(FileSystemReader):
     """DCP's file reader, but the metadata is read by read_metadata, every piece it places must lie
-    within a regular file of the directory before any is read, and a storage file that fails to
-    load is named."""
+    within a regular file of the directory, apart from every other piece, before any is read; a
+    tensor is read only as stored in the dtype it is loaded into (read_item), and a storage file
+    that fails to load is named."""
 
     metadata = None  # read once: dcp_load's up-front checks ask for it, then DCP itself
 
@@ -177,24 +178,50 @@ class PlainDataReader(FileSystemReader):
                                       f"in no storage file")
             by_file.setdefault(info.relative_path, []).append(item)
         for name, items in by_file.items():
+            file = os.path.join(self.path, name)
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                with open_regular(file, "rb") as stream:
+                    for item in items:
+                        self.read_item(file, stream, item, planner)
             except CheckpointError:
                 raise
             except Exception as e:  # zeroed or overwritten bytes
-                raise CheckpointError(f"{os.path.join(self.path, name)}: damaged storage file "
-                                      f"({load_error(e)})") from None
+                raise CheckpointError(f"{file}: damaged storage file ({load_error(e)})") from None
         done = Future()
         done.set_result(None)
         return done
 
+    def read_item(self, file, stream, item, planner):
+        """DCP's read of one item from stream, the storage file at file, as FileSystemReader's
+        (no transforms: check_storage_files refuses them), but a tensor stored in another dtype
+        than the one it is loaded into is refused: copied, it would be cast (a bool's 0s and 1s)."""
+        info = self.storage_data[item.storage_index]
+        stream.seek(info.offset)
+        data = io.BytesIO(stream.read(info.length))
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, data)
+            return
+        stored = torch.load(data, map_location="cpu", weights_only=True)
+        target = planner.resolve_tensor(item).detach()
+        if not isinstance(stored, torch.Tensor) or stored.dtype != target.dtype:
+            kind = stored.dtype if isinstance(stored, torch.Tensor) else brief(stored)
+            raise CheckpointError(f"{file}: refused: it stores {item.storage_index.fqn} as {kind}, where this "
+                                  f"model holds {target.dtype}")
+        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            stored = stored.narrow(dim, offset, length)
+        if stored.size() != target.size():
+            raise CheckpointError(f"{file}: damaged: it stores {item.storage_index.fqn}'s piece as "
+                                  f"{tuple(stored.size())}, read into {tuple(target.size())}")
+        target.copy_(stored)
+        planner.commit_tensor(item, target)
+
 
 def check_storage_files(path, storage_data):
     """Raises CheckpointError unless every piece that storage_data (of DCP's metadata) places lies
-    within a regular file directly in path (not a link), stored as this project writes it (no
-    transforms). Messages show the metadata's values only as brief text."""
-    sizes = {}
-    for info in storage_data.values():
+    within a regular file directly in path (not a link), apart from every other piece, stored as
+    this project writes it (no transforms). Messages show the metadata's values only as brief text."""
+    sizes, spans = {}, {}
+    for index, info in storage_data.items():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not is_file_name(name):
             raise CheckpointError(f"{path}: refused: its .metadata names {brief(name)} as a storage file, "
@@ -216,6 +243,13 @@ def check_storage_files(path, storage_data):
                 and offset + length <= sizes[name]):
             raise CheckpointError(f"{file}: truncated or damaged storage file ({brief(length)} bytes at "
                                   f"{brief(offset)} in its .metadata; the file holds {sizes[name]})")
+        spans.setdefault(name, []).append((offset, offset + length, getattr(index, "fqn", index)))
+    for name, pieces in spans.items():  # DCP writes each piece once, after the one before
+        pieces.sort(key=lambda piece: piece[:2])
+        for (_, end, first), (start, _, second) in zip(pieces, pieces[1:]):
+            if start < end:
+                raise CheckpointError(f"{os.path.join(path, name)}: refused: its .metadata places {brief(second)} in "
+                                      f"bytes of {brief(first)} (at {start:,}): each piece is stored apart")
 
 
 def is_file_name(name):
@@ -235,6 +269,10 @@ def entry_problem(entry, value):
         if not isinstance(size, torch.Size) or size != value.size():
             shape = tuple(size) if isinstance(size, torch.Size) and len(size) <= 8 else "of another kind"
             return f"has shape {shape}, not this model's {tuple(value.size())} (another model size)"
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if dtype != value.dtype:  # the load would cast it: a bool's 0s and 1s as moments
+            declared = dtype if isinstance(dtype, torch.dtype) else brief(dtype)
+            return f"is declared {declared}, where this model holds {value.dtype}"
         return tiling_problem(getattr(entry, "chunks", None), size)
     if not isinstance(entry, BytesStorageMetadata):
         return "is declared a tensor where this model holds plain data"

@@ -191,7 +191,7 @@ def main(argv=None):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         parser.fail(f"{args.out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not args.force:
-        parser.fail(f"{args.out_dir} exists and is not empty (use --force to replace it)")
+        parser.refuse_to_replace(args.out_dir, "exists and is not empty")
     try:
         model, _ = load_model_on(args.model)
     except CheckpointError as e:

@@ -451,10 +451,12 @@ def start_or_resume(output_dir, prefix, run):
     if others:
         raise InputError(f"{output_dir} holds shards of another prefix ({os.path.basename(others[0])}); "
                          f"training would read them too: move them or choose another --output_dir")
-    missing = [index for index in range(manifest["shards"]) if index not in ours]
-    if missing:
-        raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']} shards, but "
-                         f"{shard_name(prefix, split_of(missing[0]), missing[0])} is missing; delete it and rerun")
+    # Of more shards than there are files, one of the first len(ours) + 1 is missing: a count of
+    # 10**12 is never walked.
+    missing = next((i for i in range(min(manifest["shards"], len(ours) + 1)) if i not in ours), None)
+    if missing is not None:
+        raise InputError(f"{output_dir}: its {MANIFEST} records {manifest['shards']:,} shards, but "
+                         f"{shard_name(prefix, split_of(missing), missing)} is missing; delete it and rerun")
     # An incomplete run's next shard may be there: a kill came between it and the manifest.
     last = manifest["shards"] - 1 if manifest["complete"] else manifest["shards"]
     unlisted = sorted(index for index in ours if index > last)
@@ -723,6 +725,11 @@ def parse_args(argv):
         parser.error("--version picks a FineWeb-Edu sample; with --dataset, use --name")
     if not args.prefix or re.search(r"[\\/]", args.prefix):
         parser.error(f"--prefix {args.prefix!r} must be a non-empty file-name prefix")
+    cores = os.cpu_count() or 1
+    if args.num_proc > cores:  # more processes than cores only share them, each with its own tokenizer's memory
+        print(f"fineweb.py: --num_proc {args.num_proc:,} is more than this machine's {cores} cores: tokenizing in "
+              f"{cores} processes", file=sys.stderr)
+        args.num_proc = cores
     args.version = args.version or "10B"
     if args.dataset in (None, FINEWEB_EDU):
         args.dataset, args.name = FINEWEB_EDU, args.name or VERSIONS[args.version]

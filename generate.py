@@ -26,7 +26,11 @@ DECODES = ("sampling", "greedy", "beam")
 # Bounds past which an option fails in a traceback rather than generate: a prompt's rows (samples
 # or beams) each hold a vocabulary's logits every step; a logit divided by a repetition_penalty
 # below 0.001 overflows to inf (NaN probabilities); new_length ** length_penalty overflows a float.
+# max_new_tokens: beam search holds each prompt's hypotheses at their longest from the start, and
+# past the context every new token recomputes the whole window: 64 GPT-2 contexts (minutes on a
+# GPU) is more than any use of GPT-2 asks; 10**9 would be a traceback, 2**64 would never end.
 MAX_ROWS = 1024
+MAX_NEW_TOKENS = 1 << 16
 REPETITION_PENALTY = (1e-3, 1e3)
 MAX_LENGTH_PENALTY = 10
 
@@ -53,7 +57,7 @@ class GenerationConfig:
         beam = self.decode == "beam"
         checks = [
             (self.decode in DECODES, f"decode must be one of {', '.join(DECODES)}"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (1 <= self.max_new_tokens <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}]"),
             (self.min_new_tokens >= 0, "min_new_tokens must be 0 or more"),
             (self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens {self.min_new_tokens} is more than max_new_tokens {self.max_new_tokens}"),

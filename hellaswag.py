@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from cli import Parser
 from dcp_reader import CheckpointError
 from devices import autocast, pick_dtype
 from distributed import every_rank
-from inputs import UnreadableFile, brief, read_lines
+from inputs import UnreadableFile, brief, open_regular, read_lines
 from loading import check_source, load_model_on
 from progress import progress_meter
 from tokenizer import get_encoding, gpt2_vocab_problem
@@ -121,7 +122,7 @@ def download(url, path, local_flag="--data"):
     made = not os.path.isdir(directory)
     try:
         os.makedirs(directory, exist_ok=True)
-        with urllib.request.urlopen(url, timeout=60) as response, atomic_open(path) as f:
+        with open_url(url) as response, atomic_open(path) as f:
             shutil.copyfileobj(response, f)
     # URLError and timeouts are OSErrors; ValueError: a URL of no known scheme
     except (OSError, ValueError, http.client.HTTPException) as e:
@@ -134,6 +135,15 @@ def download(url, path, local_flag="--data"):
             advice = (f"fetch it once where there is a network with `python hellaswag.py --download_only`, "
                       f"or pass {local_flag} PATH, a local copy")
         raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); {advice}") from None
+
+
+def open_url(url):
+    """url opened for reading; a file: URL (a local mirror) only if it names a regular file: a FIFO
+    would wait for a writer forever, /dev/zero never end (inputs.open_regular's UnreadableFile)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file" and parts.netloc in ("", "localhost"):  # urlopen refuses another host's
+        return open_regular(urllib.request.url2pathname(parts.path), "rb")
+    return urllib.request.urlopen(url, timeout=60)
 
 
 def load_examples(path=None, split="val", cache_dir=None, local_flag="--data"):

@@ -11,7 +11,8 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints
+from checkpoint import (ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints,
+                        non_finite_weights)
 from cli import first_line
 from dcp_reader import CheckpointError
 from devices import pick_device
@@ -55,21 +56,10 @@ def load_model(name_or_path, map_location="cpu", dropout=None, **options):
                 raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
     else:
         model = load_pretrained(name_or_path, dropout=dropout or 0.0, **options)
-    for name, tensor in model.state_dict().items():
-        if not tensor.isfinite().all():
-            raise CheckpointError(f"{name_or_path}: {name} holds NaN or infinite values{padding_only(model, name)}: "
-                                  f"no model to use")
+    problem = non_finite_weights(model)
+    if problem:
+        raise CheckpointError(f"{name_or_path}: {problem}: no model to use")
     return model
-
-
-def padding_only(model, name):
-    """", only in rows 50257-50303, ..." where the non-finite values of the parameter name lie only
-    in the rows that pad model's vocabulary (the token embedding's, which the head shares), else ""."""
-    rows, vocab = model.config.vocab_size, model.n_tokens
-    if name not in ("transformer.wte.weight", "lm_head.weight") or rows == vocab \
-            or not model.state_dict()[name][:vocab].isfinite().all():
-        return ""
-    return f", only in rows {vocab}-{rows - 1}, which pad the vocabulary and which no token id reaches"
 
 
 def replaced_settings(cfg, loaded):

@@ -1,6 +1,7 @@
 """checkpoint.py: sharded checkpoints are read as plain data by every reader and by resume; a
 crafted one never runs code, a damaged one is one line naming the file, and --resume auto
 passes over it to an older good one."""
+import dataclasses
 import os
 import pickle
 import shutil
@@ -505,3 +506,217 @@ def test_non_finite_weights_are_refused_naming_the_padding_rows_when_only_they_h
     with pytest.raises(checkpoint.CheckpointError) as e:
         loading.load_model(path)
     assert str(e.value) == f"{path}: transformer.wte.weight holds NaN or infinite values{where}: no model to use"
+
+
+def tampered(optimizer, name, key, change):
+    """optimizer with change(value) in place of its state's key of the parameter name (every
+    parameter's, for name None)."""
+    from optimizers import torch_optimizers
+    for part in torch_optimizers(optimizer):
+        for param, state in part.state.items():
+            if key in state and (name is None or param is name):
+                state[key] = change(state[key])
+    return optimizer
+
+
+def bool_tensor(value):
+    return value > 0
+
+
+@pytest.mark.parametrize("kind, key, change, every, one_file, sharded", [
+    ("adamw", "exp_avg", bool_tensor, False, "exp_avg is torch.bool, not its parameter's torch.float32",
+     "is declared torch.bool, where this model holds torch.float32"),
+    ("adamw", "step", lambda step: torch.tensor(True), True, "step is torch.bool, not a count",
+     "is declared torch.bool, where this model holds torch.float32"),
+    ("adamw", "exp_avg_sq", torch.neg, False, "exp_avg_sq holds negative values: a mean of squares is 0 or more", None),
+    ("muon", "momentum_buffer", bool_tensor, False,
+     "momentum_buffer is torch.bool, not its parameter's torch.float32",
+     "is declared torch.bool, where this model holds torch.float32"),
+])
+def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_and_the_part(
+        tmp_path, kind, key, change, every, one_file, sharded):
+    """Moments or a momentum buffer of another dtype (torch's load would cast a bool's to 0s and 1s
+    and train on), a negative mean of squares, a step counter that is a bool: each format refuses
+    them, as the trainer's resume reads them (OptimizerPart), naming the parameter or the entry."""
+    from optimizers import OptimizerConfig, muon_params
+    model = GPT(GPTConfig(**TINY_CONFIG))
+    param = muon_params(model)[0] if kind == "muon" else model.transformer.wte.weight
+    name = "transformer.h.0.attn.c_attn.weight" if kind == "muon" else "transformer.wte.weight"
+    config = OptimizerConfig(kind, 1e-3, 0.1)
+    saved = tampered(stepped_optimizer(model, config), None if every else param, key, change)
+    part = checkpoint.OptimizerPart(model, checkpoint.build_optimizer(model, config, "cpu"))
+    with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring("ckpt_000004.pt", "optimizer"):
+        part.load_state_dict(saved.state_dict())
+    assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
+    save_sharded(tmp_path / "ckpt", model, saved, {})
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+    expected = (f"{tmp_path / 'ckpt'}: refused: its entry optimizer.state.{name}.{key} {sharded}; nothing was read"
+                if sharded else f"{tmp_path / 'ckpt'}: its optimizer cannot be restored (the state of {name}: {one_file})")
+    assert str(e.value) == expected
+
+
+def store_instead(ckpt, key, tensor):
+    """ckpt (sharded) with the entry key's piece pointed at tensor, stored after the rest of its
+    storage file: its .metadata still declares what train_gpt2.py stored there."""
+    import io
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def edit(metadata):
+        index = next(i for i in metadata.storage_data if i.fqn == key)
+        file = ckpt / metadata.storage_data[index].relative_path
+        data = io.BytesIO()
+        torch.save(tensor, data)
+        metadata.storage_data[index] = _StorageInfo(file.name, file.stat().st_size, len(data.getvalue()))
+        with open(file, "ab") as f:
+            f.write(data.getvalue())
+    edit_metadata(ckpt, edit)
+
+
+def test_a_piece_stored_in_another_dtype_than_it_is_read_into_is_refused(copy, shards, tmp_path, capsys):
+    """Read into the model's float32 tensors, a bool piece would be cast to 0s and 1s."""
+    ckpt = copy / "ckpt_000004"
+    store_instead(ckpt, WTE, torch.ones(256, 32, dtype=torch.bool))
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / STORAGE_FILE}: refused: it stores {WTE} as "
+                                                        f"torch.bool, where this model holds torch.float32")
+    key = "optimizer.state.transformer.wte.weight.exp_avg"
+    store_instead(copy / "ckpt_000002", key, torch.ones(256, 32, dtype=torch.bool))
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume",
+                       copy / "ckpt_000002")
+    assert message == (f"error: {copy / 'ckpt_000002' / STORAGE_FILE}: refused: it stores {key} as torch.bool, where "
+                       f"this model holds torch.float32")
+
+
+def pointed_at(entry, target, shift):
+    """A .metadata edit: entry's piece placed shift bytes into target's."""
+    def edit(metadata):
+        index = {i.fqn: i for i in metadata.storage_data}
+        stored = metadata.storage_data[index[target]]
+        metadata.storage_data[index[entry]] = dataclasses.replace(stored, offset=stored.offset + shift)
+    return edit
+
+
+@pytest.mark.parametrize("shift", [0, 1000], ids=["the same bytes", "bytes within them"])
+def test_a_piece_placed_in_another_pieces_bytes_is_refused_by_every_reader_and_by_resume(copy, shards, tmp_path, capsys,
+                                                                                         shift):
+    """The position embedding read from the token embedding's bytes: DCP stores each piece apart."""
+    ckpt = copy / "ckpt_000004"
+    edit_metadata(ckpt, pointed_at("model.transformer.wpe.weight", WTE, shift))
+    at = read_metadata(ckpt).storage_data
+    offset = next(info.offset for index, info in at.items() if index.fqn == "model.transformer.wpe.weight")
+    expected = (f"{ckpt / STORAGE_FILE}: refused: its .metadata places 'model.transformer.wpe.weight' in bytes of "
+                f"'{WTE}' (at {offset:,}): each piece is stored apart")
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt) == \
+        f"error: {expected}"
+
+
+def edited_state(ckpt, edit, out):
+    """ckpt's train_state.pt (sharded) or contents (one file) as edit(state) leaves them, written as
+    the same kind at out; returns out."""
+    state = checkpoint.load_checkpoint(str(ckpt))
+    edit(state)
+    if os.path.isdir(ckpt):
+        shutil.copytree(ckpt, out)
+        torch.save(state, os.path.join(out, checkpoint.TRAIN_STATE))
+    else:
+        torch.save(state, out)
+    return out
+
+
+@pytest.mark.parametrize("position, problem", [
+    ({"index": -3}, "its index is -3, of 256 tokens each: a position outside this run's shards (36,222 tokens)"),
+    ({"index": 10**9}, "its index is 1000000000, of 256 tokens each: a position outside this run's shards "
+                       "(36,222 tokens)"),
+    ({"tokens_per_index": 0}, "its tokens_per_index is 0, not 1 to 36,222, what this run's shards hold"),
+    ({"tokens_per_index": -256}, "its tokens_per_index is -256, not 1 to 36,222, what this run's shards hold"),
+    ({"epoch": -1}, "its epoch is -1, not a count of 0 or more below 2**63"),
+    ({"epoch": float("inf")}, "its epoch is inf, not an integer"),
+    ({"index": True}, "its index is True, not an integer"),
+])
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_loader_position_its_shards_never_reach_is_refused_naming_the_checkpoint(copy, shards, tmp_path, capsys,
+                                                                                   kind, position, problem):
+    """The train loader's epoch, index and tokens per index, crafted: once trained on from a
+    position before or past the shards, or an epoch of inf (an OverflowError traceback)."""
+    ckpt = copy / "ckpt_000002"
+    if kind == "one-file":
+        checkpoint.main([str(ckpt), str(tmp_path / "one_file.pt")])
+        ckpt = tmp_path / "one_file.pt"
+    edited = edited_state(ckpt, lambda state: state["train_loader"].update(position), tmp_path / "edited")
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", edited)
+    assert message == f"error: {edited}: its train_loader cannot be restored ({problem})"
+
+
+@pytest.mark.parametrize("row, where", [
+    (50300, ", only in rows 50257-50303, which pad the vocabulary and which no token id reaches"),
+    (3, ""),  # a row that token 3 reads: the loss is NaN from the first step
+])
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_refuse_it(tmp_path, kind, row, where):
+    """As load_model names it for sample.py, export_hf.py, hellaswag.py and --init_from: a resume
+    would train on to a save ("the weights at step N are not finite") or an evaluation ("the val
+    loss ... is nan"), naming neither the checkpoint nor the weight."""
+    saved = make_tiny_gpt()
+    with torch.no_grad():
+        saved.transformer.wte.weight[row, 3] = float("nan")
+    part = checkpoint.ModelPart(make_tiny_gpt(seed=1))
+    path = tmp_path / "ckpt_000004"
+    if kind == "one-file":
+        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring(str(path), "model"):
+            part.load_state_dict(saved.state_dict())
+    else:
+        save_sharded(path, saved, saved.configure_optimizers(0.1, 1e-3, "cpu"), {})
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.load_parts(str(path), {}, {"model": part})
+    assert str(e.value) == f"{path}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values" \
+                           f"{where})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["one-file", "sharded"])
+def test_a_resumed_model_that_is_not_finite_stops_every_fsdp_rank_with_one_line(copy, shards, tmp_path, kind):
+    """Under FSDP each rank holds a slice of the weights: the one that holds the NaN, and the other, stop alike."""
+    one_file = tmp_path / "ckpt_000004.pt"
+    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    state = torch.load(one_file)
+    state["model"]["transformer.wte.weight"][200, 3] = float("nan")  # rank 1's rows of 256
+    torch.save(state, one_file)
+    ckpt = as_sharded(one_file, tmp_path / "ckpt_000004") if kind == "sharded" else one_file
+    script = tmp_path / "rank_stops.py"
+    script.write_text(RANK_STOPS.format(repo=REPO))
+    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--max_steps", "6", "--fsdp", "1", "--data_dir", shards,
+                          "--log_dir", tmp_path / "log", "--resume", ckpt, timeout=120)
+    expected = f"{ckpt}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values)"
+    assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [
+        f"rank 0 stops: {expected}", f"rank 1 stops: {expected}"], result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.count(f"error: {expected}") == 1
+
+
+def test_a_config_that_lacks_a_field_names_it_in_every_reader_and_resume(copy, shards, tmp_path, capsys):
+    """GPTConfig's default would stand in for it (12 layers) and fail later, or a resume say
+    "another architecture: ;" naming nothing."""
+    ckpt = edited_state(copy / "ckpt_000004", lambda state: state["config"].pop("n_layer"), tmp_path / "no_n_layer")
+    expected = f"{ckpt}: not a checkpoint of this GPT (its config lacks GPTConfig's field n_layer)"
+    assert_every_reader_refuses(ckpt, tmp_path, capsys, expected)
+    assert error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt) == \
+        f"error: {expected}"
+
+
+def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_beside_them(copy, tmp_path):
+    flags = checkpoint.recorded_flags(checkpoint.load_checkpoint(str(copy / "ckpt_000004")))
+    ckpt = edited_state(copy / "ckpt_000004", lambda state: state.update(args={**flags, "max_lr": 1.0}),
+                        tmp_path / "both")
+    checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
+    converted = checkpoint.load_checkpoint(str(tmp_path / "out.pt"))
+    assert converted["flags"] == flags and "args" not in converted
+
+
+def test_the_conversion_replaces_an_existing_file_only_with_force(copy, tmp_path, capsys):
+    out = tmp_path / "ckpt_000004.pt"
+    out.write_bytes(b"a checkpoint of the user's")
+    assert exit_message(capsys, checkpoint.main, copy / "ckpt_000004", out) == \
+        f"checkpoint.py: error: {out} exists (use --force to replace it)"
+    assert out.read_bytes() == b"a checkpoint of the user's"
+    checkpoint.main([str(copy / "ckpt_000004"), str(out), "--force"])
+    assert checkpoint.load_checkpoint(str(out))["step"] == 4

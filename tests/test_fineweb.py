@@ -757,6 +757,27 @@ def test_a_manifest_claiming_more_than_its_shards_hold_is_one_line_touching_noth
     assert {name: (out / name).read_bytes() for name in listdir(out)} == before
 
 
+def test_a_manifest_claiming_more_shards_than_there_are_files_is_one_line_at_once(tmp_path):
+    """10**12 shards: counted through, the missing ones filled the memory (a MemoryError traceback)."""
+    corpus, out, manifest = sharded_docs(tmp_path)
+    n = len(listdir(out)) - 1  # but the manifest
+    (out / fineweb.MANIFEST).write_text(json.dumps({**manifest, "complete": False, "shards": 10**12}))
+    before = {name: (out / name).read_bytes() for name in listdir(out)}
+    result = run_bounded("fineweb.py", "--input", corpus, "--output_dir", out, "--prefix", "tiny", "--shard_size", 7,
+                         "--num_proc", 1)
+    one_line_error(result, f"records 1,000,000,000,000 shards, but tiny_train_{n:06d}.npy is missing")
+    assert {name: (out / name).read_bytes() for name in listdir(out)} == before
+
+
+def test_num_proc_past_the_cores_is_capped_at_them_with_a_line(capsys):
+    args = fineweb.parse_args(["--input", "corpus.jsonl", "--num_proc", "100000"])
+    assert args.num_proc == os.cpu_count()
+    assert capsys.readouterr().err == (f"fineweb.py: --num_proc 100,000 is more than this machine's {os.cpu_count()} "
+                                       f"cores: tokenizing in {os.cpu_count()} processes\n")
+    assert fineweb.parse_args(["--input", "corpus.jsonl", "--num_proc", str(os.cpu_count())]).num_proc == os.cpu_count()
+    assert capsys.readouterr().err == ""
+
+
 def test_a_manifest_resuming_at_a_document_past_the_corpus_is_refused(tmp_path, monkeypatch):
     corpus, out, manifest = interrupted_at_third_shard(tmp_path, monkeypatch)
     monkeypatch.setattr(fineweb, "CHUNK_CHARS", 1)  # the interrupted run's chunks: its resume point is at a document

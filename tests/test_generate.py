@@ -216,6 +216,8 @@ def test_a_finished_row_is_padded_not_extended(models):
     (dict(decode="beam", num_beams=2, length_penalty=float("nan")), "length_penalty must be in [-10, 10]"),
     (dict(decode="beam", num_beams=2, length_penalty=float("-inf")), "length_penalty must be in [-10, 10]"),
     (dict(top_k=0), "top_k must be at least 1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be in [1, 65536]"),
+    (dict(decode="beam", num_beams=2, max_new_tokens=65537), "max_new_tokens must be in [1, 65536]"),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):

@@ -395,6 +395,19 @@ def test_cli_without_network_or_data_fails_in_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "empty")
 
 
+def test_a_local_mirror_whose_file_is_a_fifo_is_one_line_never_a_wait(tmp_path):
+    """A file: URL's file is read only if it is a regular file: a FIFO would wait for a writer forever."""
+    os.mkfifo(tmp_path / "hellaswag_val.jsonl")
+    proc = run_script("hellaswag.py", "--download_only", "--cache_dir", tmp_path / "cache",
+                      env={"HELLASWAG_URL": tmp_path.as_uri()}, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        f"hellaswag.py: error: could not download {tmp_path.as_uri()}/hellaswag_val.jsonl ({tmp_path}/hellaswag_val.jsonl: "
+        f"a FIFO, not a regular file); run this where there is a network, or copy hellaswag_val.jsonl into "
+        f"{tmp_path / 'cache'}"]
+    assert not os.path.exists(tmp_path / "cache")
+
+
 def test_an_ending_fits_with_one_context_token_and_no_fewer():
     def words(n):
         return " ".join(["word"] * n)  # " word" is one token

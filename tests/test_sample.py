@@ -130,7 +130,7 @@ def test_stop_at_eot(padded, tmp_path, capsys):
     (["--repetition_penalty", "0"], "error: --repetition_penalty must be in [0.001, 1000]"),
     (["--no_repeat_ngram_size", "-2"], "error: --no_repeat_ngram_size must be 0 (off) or more"),
     (["--min_new_tokens", "-1"], "error: --min_new_tokens must be 0 or more"),
-    (["--max_new_tokens", "0"], "error: --max_new_tokens must be at least 1"),
+    (["--max_new_tokens", "0"], "error: --max_new_tokens must be in [1, 65536]"),
     (["--prompts", "no/such/prompts.txt"], "error: --prompts no/such/prompts.txt: [Errno 2]"),
     (["--json", "."], "error: --json .: cannot write there (a directory, not a regular file)"),
     (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or more"),
@@ -157,6 +157,11 @@ def test_bad_flags_are_one_line_errors(flags, message, capsys):
     (["--min_new_tokens", "201"], "--min_new_tokens 201 is more than max_new_tokens 200"),
     (["--min_new_tokens", "5", "--max_new_tokens", "4"], "--min_new_tokens 5 is more than max_new_tokens 4"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
+    # Beam search's hypotheses, of every length up to it, would take 16 GB, then 2**63 positions (tracebacks);
+    # sampling 2**64 tokens, with the window sliding past the context, would never end.
+    (["--num_beams", "2", "--max_new_tokens", "1000000000"], "--max_new_tokens must be in [1, 65536]"),
+    (["--num_beams", "2", "--max_new_tokens", str(2**63 - 1)], "--max_new_tokens must be in [1, 65536]"),
+    (["--max_new_tokens", str(2**64)], "--max_new_tokens must be in [1, 65536]"),
 ])
 def test_flags_out_of_range_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -677,23 +677,24 @@ def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     so a run saved with one AdamW kernel and resumed with another must load under this machine's
     flags: after restore_parts every state tensor has the device and dtype that the same
     optimizer, built fresh here and stepped once, holds. (On a GPU a CPU run's counters would stay
-    on the CPU, under the fused kernel; on a CPU the same rule shows in the dtype: with float64 as
-    the default dtype the foreach kernel counts in float64, the fused one in float32.)"""
+    on the CPU, under the fused kernel; on a CPU the same rule shows in the dtype: stepped with
+    float64 as the default dtype, the foreach kernel counts in float64, the fused one in float32.)"""
     loader = ShardLoader(list_shards(shards, "train"), 2, 32)
 
-    def stepped_once(fused):
+    def stepped_once(fused, default_dtype=torch.float32):
         model = GPT(GPTConfig(**TINY_CONFIG))
         optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=fused)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        optimizer.step()
+        torch.set_default_dtype(default_dtype)  # the moments take their parameter's, float32
+        try:
+            optimizer.step()
+        finally:
+            torch.set_default_dtype(torch.float32)
         return model, optimizer
 
-    torch.set_default_dtype(torch.float64)
-    try:
-        saved_model, saved_optimizer = stepped_once(fused=False)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    saved_model, saved_optimizer = stepped_once(fused=False, default_dtype=torch.float64)
+    assert saved_optimizer.state[saved_model.lm_head.weight]["step"].dtype == torch.float64
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     state = as_checkpoint(parts_of(saved_model, saved_optimizer, scaler, loader), 1, train_gpt2.parse_args([]).flags())
     _, fresh = stepped_once(fused=True)
