@@ -383,10 +383,19 @@ def memory_limit(limit):
     return apply
 
 
+@functools.cache
+def torch_address_space():
+    """The bytes of address space a fresh interpreter maps to import torch: under 1 GiB for a CPU
+    build, over 3 GiB for a CUDA build (its libraries), used or not."""
+    code = "import re, torch; print(re.search(r'VmPeak:\\s+(\\d+) kB', open('/proc/self/status').read())[1])"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) << 10
+
+
 def run_bounded(script, *args, cwd=REPO):
     """run_script for inputs that could hang or fill the memory of a script that reads them
-    unbounded: 60 s and 2 GiB at most, so that a test of such an input fails, never hangs."""
-    return run_script(script, *args, cwd=cwd, timeout=60, preexec_fn=memory_limit(2 << 30))
+    unbounded: 60 s, and 2 GiB beyond what importing torch maps, at most, so that a test of such an
+    input fails, never hangs."""
+    return run_script(script, *args, cwd=cwd, timeout=60, preexec_fn=memory_limit(torch_address_space() + (2 << 30)))
 
 
 def never_ending_inputs(tmp_path):
