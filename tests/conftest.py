@@ -1,5 +1,6 @@
 """pytest's setup for the tests: offline, one thread a process, Triton's interpreter without a GPU, one
-temporary directory of their own, cuda-marked tests skipped without CUDA, and the fixtures.
+temporary directory of their own, cuda-marked tests skipped without CUDA, interpreted-marked ones where
+the interpreter cannot run the kernel, and the fixtures.
 The helpers are in helpers.py."""
 import multiprocessing.util
 import os
@@ -9,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from helpers import make_hf_gpt2, write_token_shards
+from helpers import interpreter_problem, make_hf_gpt2, write_token_shards
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test that reaches for the hub fails fast
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -39,6 +40,13 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus):
     if exitstatus != 0:
         terminalreporter.write_line(f"the tests' temporary files are kept in {TEST_TMP}")
+
+
+def pytest_runtest_setup(item):
+    """Tests marked interpreted run loss.py's Triton kernel in Triton's interpreter: skipped where it
+    cannot, with the reason (asked only once such a test is about to run, as it imports triton)."""
+    if item.get_closest_marker("interpreted") and interpreter_problem():
+        pytest.skip(interpreter_problem())
 
 
 def pytest_collection_modifyitems(config, items):

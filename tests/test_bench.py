@@ -1,4 +1,5 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
+import functools
 import gzip
 import json
 import os
@@ -254,11 +255,12 @@ def test_train_sizes_the_machine_cannot_hold_stop_with_one_line_before_anything_
     bench.parse_args(["--quick", "--device", "cpu", *map(str, flags), "--parts", "matmul"])  # train's sizes unused
 
 
-def test_levers_named_are_timed_in_the_tables_order():
+def test_levers_named_are_timed_in_the_tables_order(monkeypatch):
     args = bench.parse_args(["--quick", "--device", "cpu", "--levers", "recompute_full,chunked_loss,padded_vocab"])
     assert bench.train_runs(args, compile_model=False, device_type="cpu") == [
         ("project", None), ("baseline", None), ("project", "-padded_vocab"), ("project", "+chunked_loss"),
         ("project", "+recompute_full")]
+    monkeypatch.setattr(bench, "pick_loss", functools.partial(bench.pick_loss, triton=True))  # CUDA's torch brings it
     on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
     assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
                                                    "+masked_loss", "+chunked_loss", "+recompute_full", "+recompute_attn",

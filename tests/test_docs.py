@@ -1,5 +1,5 @@
 """The README and docs/ name only files that exist: every repository path in backquotes and
-every relative link."""
+every relative link; and so do the install's and CI's comments."""
 import glob
 import os
 import re
@@ -26,3 +26,12 @@ def test_every_file_a_page_names_exists(page):
     missing += [link for link in LINK.findall(text)
                 if "://" not in link and not os.path.exists(os.path.join(here, link))]
     assert not missing, f"{page} names {missing}"
+
+
+@pytest.mark.parametrize("path", ["requirements.txt", ".ci/run"])
+def test_every_file_the_install_and_ci_name_exists(path):
+    """Their comments name files bare, from the repository's root: loss.py, tests/test_loss.py."""
+    with open(os.path.join(REPO, path)) as f:
+        named = re.findall(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|toml|txt|md|ini))\b", f.read())
+    missing = [name for name in named if not os.path.exists(os.path.join(REPO, name))]
+    assert named and not missing, f"{path} names {missing}"

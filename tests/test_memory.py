@@ -15,7 +15,7 @@ import memory
 import train_gpt2
 from cli import preset_names
 from checkpoint import load_checkpoint, recorded_flags
-from helpers import REPO, TINY, error_of, exit_message, interpreted, needs_triton, run_script, train
+from helpers import REPO, TINY, error_of, exit_message, interpreted, run_script, train
 from model import GPT, GPTConfig, RECOMPUTE
 from tokenizer import N_VOCAB
 from train_config import ScaleConfig
@@ -218,7 +218,7 @@ def test_the_fused_loss_plans_one_chunk_of_logits_in_the_autocast_dtype_alone():
     assert memory.logits_bytes(config, batch, 1024, "chunked", a=4) == memory.logits_bytes(config, batch, 1024, "fused", a=4)
 
 
-@pytest.mark.parametrize("loss_kind", ["chunked", pytest.param("fused", marks=[needs_triton, interpreted])])
+@pytest.mark.parametrize("loss_kind", ["chunked", pytest.param("fused", marks=interpreted)])
 def test_the_loss_op_keeps_what_the_memory_plan_counts(loss_kind):
     """For the backward, the head's input gradient in the place of its input, and the head's
     float32 weight gradient (memory.head_gradient_bytes)."""
