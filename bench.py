@@ -54,7 +54,7 @@ from optimizers import OptimizerConfig
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from train_config import ScaleConfig, TrainConfig, micro_steps, split_problem
 from train_gpt2 import StepOutOfMemory, train_step, train_step_fitting
-from trainable import StepConfig, build_trainable
+from step import StepConfig, build_trainable
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)

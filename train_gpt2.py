@@ -41,7 +41,7 @@ from model import ATTENTION_KERNELS, GPT
 from optimizers import current_muon_lr, describe, set_lr
 from tokenizer import gpt2_vocab_problem
 from train_config import TrainConfig, micro_steps, seq_len_problem
-from trainable import StepConfig, Trainable, build_trainable, to_device
+from step import StepConfig, Trainable, build_trainable, to_device
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 # Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said

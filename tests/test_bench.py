@@ -297,11 +297,11 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
 @pytest.mark.slow
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
     """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
-    trainable.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
+    step.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
     too large for the device, halves it and accumulates twice as often: the same tokens per step
     (--quick's default: two micro-batches of -B), halved as the trainer halves it (train_step_fitting)."""
     import train_gpt2
-    from trainable import build_trainable
+    from step import build_trainable
 
     built, stepped, flash = [], [], []
 

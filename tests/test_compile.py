@@ -10,7 +10,7 @@ import train_gpt2
 from data import ShardLoader, list_shards
 from helpers import write_token_shards
 from model import GPT, GPTConfig
-from trainable import StepConfig, build_trainable
+from step import StepConfig, build_trainable
 
 
 @pytest.mark.slow

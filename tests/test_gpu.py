@@ -12,7 +12,7 @@ from loss import LOSSES
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import ScaleConfig
-from trainable import StepConfig, build_trainable
+from step import StepConfig, build_trainable
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)

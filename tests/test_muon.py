@@ -19,7 +19,7 @@ from faults import Faults
 from helpers import (TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run, error_of, file_size_limit,
                      final_weights, listdir, parts_of, read_log, run_torchrun, train, train_records)
 from model import GPT, GPTConfig
-from trainable import StepConfig, build_trainable
+from step import StepConfig, build_trainable
 
 STEPS = ["--total_batch_size", "256", "-B", "8"]
 MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]

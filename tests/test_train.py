@@ -26,7 +26,7 @@ from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch
                      write_jsonl, write_token_shards)
 from model import GPT, GPTConfig
 from optimizers import OptimizerConfig, build_optimizer
-from trainable import StepConfig, Trainable, build_trainable
+from step import StepConfig, Trainable, build_trainable
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
