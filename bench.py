@@ -51,14 +51,13 @@ from distributed import RunError
 from loss import LOSSES, pick_loss
 from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
+from step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
 from train_config import ScaleConfig, TrainConfig, micro_steps, split_problem
-from train_gpt2 import StepOutOfMemory, train_step, train_step_fitting
-from step import StepConfig, build_trainable
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
-# What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
+# What the trainer's step (step.py) does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
 # rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
 LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
@@ -435,7 +434,7 @@ def train_levers(variant, lever, compile_model):
 
 
 def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
-    """The figures of train_gpt2.train_step, total_batch(sizes, B) tokens per optimizer step in
+    """The figures of step.train_step, total_batch(sizes, B) tokens per optimizer step in
     micro-steps of B, timed on a fresh model, with the micro-batch it ran at, or {"out_of_memory": True},
     or {"error": why}. With shrink_to_fit, a step that runs out of memory runs again at half the
     micro-batch, as the trainer's under -B auto (train_step_fitting): the same tokens per step, at what fits."""

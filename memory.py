@@ -242,7 +242,7 @@ def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_confi
 
 
 def out_of_memory_advice(cfg, world_size, trainable):
-    """unfit_advice for the run of cfg, whose step on trainable (train_gpt2's Trainable) ran out of
+    """unfit_advice for the run of cfg, whose step on trainable (step.Trainable) ran out of
     memory at one sequence: against the device's memory as -B auto reads it, else its total."""
     device, gpt_config, step_config = trainable.device, trainable.raw_model.config, trainable.step_config
     return unfit_advice(cfg, world_size, free_memory(device, gpt_config) or device_memory(device),

@@ -24,7 +24,7 @@ def stream_loader(tmp_path, sizes, B, T, world_size, rank):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_loader_resized_mid_epoch_reads_the_same_tokens_in_smaller_batches(tmp_path, world_size):
-    """What an out-of-memory step halves to (train_gpt2.train_step_fitting): the step's tokens over all
+    """What an out-of-memory step halves to (step.train_step_fitting): the step's tokens over all
     ranks, in twice the micro-batches of half the sequences, and the same stream after it."""
     def step_tokens(loaders, micro_steps):
         return torch.cat([loader.next_batch()[0].flatten() for _ in range(micro_steps) for loader in loaders]).sort()[0]

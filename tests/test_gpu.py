@@ -12,7 +12,7 @@ from loss import LOSSES
 from model import GPT, GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import ScaleConfig
-from step import StepConfig, build_trainable
+from step import StepConfig, build_trainable, train_step
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)
@@ -57,7 +57,7 @@ def losses_of(compile_mode, loss="masked", steps=3):
                                  compile_mode=compile_mode)
     t = build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
-    return [train_gpt2.train_step(t, loader, 1e-3) for _ in range(steps)]
+    return [train_step(t, loader, 1e-3) for _ in range(steps)]
 
 
 @pytest.mark.parametrize("loss", LOSSES)
