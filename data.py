@@ -225,6 +225,11 @@ class ShardLoader:
         """Tokens all ranks together read per call of next_batch."""
         return self.world_size * self.B * self.T
 
+    def micro_steps(self, tokens_per_step):
+        """Calls of next_batch, each rank's forward-backward passes, that make an optimizer step of
+        tokens_per_step tokens over all ranks: the step's gradient accumulation at this B."""
+        return tokens_per_step // self.tokens_per_index
+
     def load_state_dict(self, state):
         """Continues where state left off. Saved under another world size or batch shape (an
         elastic restart), the position is carried over by tokens read: the windows then lie

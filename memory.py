@@ -25,7 +25,7 @@ from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
 from model import GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
-from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig, micro_steps
+from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
 
@@ -291,8 +291,7 @@ def resolve_micro_batch(cfg, gpt_config, device, world_size, dtype, compiled, lo
     if free is not None:
         estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, gpt_config)
         why = f"plan {size(estimate.total)} of {described(free, device)}"
-    log(f"micro-batch auto: {picked} ({why}), {micro_steps(batch.total_batch_size, picked, batch.seq_len, world_size)} "
-        f"micro-steps per step")
+    log(f"micro-batch auto: {picked} ({why})")
     return picked
 
 
@@ -331,8 +330,7 @@ def print_plan(cfg):
             if micro_batch is None:
                 advice = unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)
                 raise ValueError(f"-B auto: {advice}")
-            choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}, "
-                      f"{micro_steps(batch.total_batch_size, micro_batch, batch.seq_len, world_size)} micro-steps per step")
+            choice = f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}"
         estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)
     except ValueError as e:
         sys.exit(f"error: {e}")

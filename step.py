@@ -19,7 +19,7 @@ from devices import autocast, synchronize
 from distributed import RunError
 from model import GPT
 from optimizers import OptimizerConfig, build_optimizer, set_lr
-from train_config import ScaleConfig, micro_steps
+from train_config import ScaleConfig
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
     loss_sum = torch.zeros((), device=trainable.device)
     rewind = step_start(loader, trainable.device)
     out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
-    grad_accum_steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
+    grad_accum_steps = loader.micro_steps(trainable.step_config.tokens_per_step)
     for micro_step in range(grad_accum_steps):
         x, y = (to_device(b, trainable.device) for b in loader.next_batch())
         last = micro_step == grad_accum_steps - 1
@@ -219,5 +219,5 @@ def train_step_fitting(trainable, loader, lr, stop_requested=no_stop, halve=True
         loader.resize(batch // 2)
         if trainable.device.startswith("cuda"):
             torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
-        steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
-        log(f"micro-batch {batch} -> {loader.B}, {steps} micro-steps per step")
+        log(f"micro-batch {batch} -> {loader.B}, {loader.micro_steps(trainable.step_config.tokens_per_step)} "
+            f"micro-steps per step")

@@ -40,7 +40,7 @@ from model import ATTENTION_KERNELS, GPT
 from optimizers import current_muon_lr, describe
 from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
 from tokenizer import gpt2_vocab_problem
-from train_config import TrainConfig, micro_steps, seq_len_problem
+from train_config import TrainConfig, seq_len_problem
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 # Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said
@@ -157,17 +157,14 @@ def build_model(cfg, device, log):
 
 def plan_step(cfg, raw_model, procs):
     """(StepConfig, micro-batch) of the run on procs' device: compiled or not, the autocast dtype,
-    and -B N's micro-batch or -B auto's pick (memory.resolve_micro_batch); logged, with a forecast
-    of the run's length on a CPU."""
+    and -B N's micro-batch or -B auto's pick (memory.resolve_micro_batch), with a forecast of the
+    run's length on a CPU."""
     device_type, log = procs.device.split(":")[0], procs.log
     compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
     dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
     batch = cfg.batch
     micro_batch = memory.resolve_micro_batch(cfg, raw_model.config, procs.device, procs.world_size, dtype,
                                              compile_mode is not None, log)
-    log(f"world size {procs.world_size}, device {procs.device}, "
-        f"{micro_steps(batch.total_batch_size, micro_batch, batch.seq_len, procs.world_size)} micro-steps of "
-        f"{micro_batch}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
     if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
                                                               batch.total_batch_size, cfg.schedule.max_steps)):
         log(note)
@@ -176,7 +173,8 @@ def plan_step(cfg, raw_model, procs):
 
 def load_data(cfg, gpt_config, micro_batch, procs):
     """(train loader, val loader or None, cfg with what it can evaluate settled): every shard
-    checked now, naming the shard, not hours in. The demo's own shards are made on first use."""
+    checked now, naming the shard, not hours in, and a line of how the train loader cuts a step.
+    The demo's own shards are made on first use."""
     note = on_every_rank(fineweb.shard_demo_corpus, cfg.data_dir, procs.rank == 0, errors=(fineweb.InputError, OSError))
     if note:
         procs.log(note)
@@ -196,6 +194,9 @@ def load_data(cfg, gpt_config, micro_batch, procs):
         return train_loader, val_loader
     # Agreed: a node whose copy of the shards differs stops every rank, not only its own.
     train_loader, val_loader = on_every_rank(checked_loaders, errors=(ShardError,))
+    batch = cfg.batch
+    procs.log(f"world size {procs.world_size}, device {procs.device}, {train_loader.micro_steps(batch.total_batch_size)} "
+              f"micro-steps of {train_loader.B}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
     evaluation = cfg.eval
     if val_loader is None:
         procs.log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")

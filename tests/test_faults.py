@@ -698,7 +698,7 @@ def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, 
     auto), and a resume at another one says so."""
     records = train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--fault", "oom@2")
     out = capsys.readouterr().out
-    assert "micro-batch auto: 8 (" in out and ", 1 micro-steps per step" in out
+    assert "micro-batch auto: 8 (" in out and ", 1 micro-steps of 8x32 tokens per step of 256" in out
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
