@@ -53,7 +53,7 @@ from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
 from step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
-from train_config import ScaleConfig, TrainConfig, split_problem
+from train_config import TrainConfig, split_problem
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
@@ -507,8 +507,7 @@ def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, d
     with torch._inductor.config.patch(levers["inductor"]):
         try:
             step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                              ScaleConfig(loss=levers["loss"]),
-                              compile_mode=levers["compile"])
+                              loss_kind=levers["loss"], compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             figures = measure(model, trainable, loader)
         except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here

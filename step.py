@@ -17,6 +17,7 @@ import distributed
 import sharding
 from devices import autocast, synchronize
 from distributed import RunError
+from loss import pick_loss
 from model import GPT
 from optimizers import OptimizerConfig, build_optimizer, set_lr
 from train_config import ScaleConfig
@@ -29,7 +30,8 @@ class StepConfig:
     dtype: torch.dtype  # autocast's; float32 is none
     tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
     optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
-    scale: ScaleConfig = ScaleConfig(loss="masked")  # FSDP, and the loss (recompute is the model's own)
+    scale: ScaleConfig = ScaleConfig()  # FSDP (recompute is the model's own)
+    loss_kind: str = "masked"  # how the loss is computed (loss.LOSSES)
     compile_mode: str | None = None  # None: eager
 
 
@@ -44,8 +46,8 @@ class Trainable:
     step_config: StepConfig  # what it was built with: the dtype, step size, clipping and loss its steps use
 
     def loss_options(self):
-        """The training forward's keywords that pick how the loss is computed (ScaleConfig.loss)."""
-        return dict(loss_kind=self.step_config.scale.loss)
+        """The training forward's keywords that pick how the loss is computed (StepConfig.loss_kind)."""
+        return dict(loss_kind=self.step_config.loss_kind)
 
     def ddp(self):
         """The DDP wrapper the forward runs through (under torch.compile's), or None."""
@@ -65,7 +67,7 @@ def build_trainable(raw_model, device, config, init=None):
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
     own: see setup. The loss is config's, auto resolved for device (loss.pick_loss)."""
-    config = replace(config, scale=config.scale.settled(device.split(":")[0]))
+    config = replace(config, loss_kind=pick_loss(config.loss_kind, device.split(":")[0]))
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
@@ -190,7 +192,7 @@ def optimizer_step(trainable, loss_sum, lr):
     loss = loss_sum / distributed.world_size()
     if norm == 0 and math.isfinite(loss):  # no correct configuration gives an exact 0: refused before it steps
         raise RunError(f"no parameter received a gradient (the gradient norm is exactly 0 at loss {loss:.4f}) under "
-                       f"--loss {trainable.step_config.scale.loss}: this configuration trains nothing")
+                       f"--loss {trainable.step_config.loss_kind}: this configuration trains nothing")
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
     skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
     if not skipped:

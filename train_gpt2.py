@@ -36,6 +36,7 @@ from distributed import RunError, agree, on_every_rank
 from faults import Faults
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
+from loss import pick_loss
 from model import ATTENTION_KERNELS, GPT
 from optimizers import current_muon_lr, describe
 from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
@@ -118,7 +119,7 @@ def start_processes(cfg):
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
     try:
-        cfg = replace(cfg, scale=cfg.scale.settled(device.split(":")[0]))
+        cfg = replace(cfg, runtime=replace(cfg.runtime, loss_kind=pick_loss(cfg.runtime.loss_kind, device.split(":")[0])))
     except ValueError as e:
         raise RunError(str(e)) from None
     if cfg.init_from == "scratch":  # a loaded model is as big as it is
@@ -163,12 +164,13 @@ def plan_step(cfg, raw_model, procs):
     compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
     dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
     batch = cfg.batch
-    micro_batch = memory.resolve_micro_batch(cfg, raw_model.config, procs.device, procs.world_size, dtype,
-                                             compile_mode is not None, log)
+    step_config = StepConfig(dtype, batch.total_batch_size, cfg.optimizer, cfg.scale, cfg.runtime.loss_kind, compile_mode)
+    micro_batch = memory.resolve_micro_batch(cfg, memory.Compute.of(step_config), raw_model.config, procs.device,
+                                             procs.world_size, log)
     if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
                                                               batch.total_batch_size, cfg.schedule.max_steps)):
         log(note)
-    return StepConfig(dtype, batch.total_batch_size, cfg.optimizer, cfg.scale, compile_mode), micro_batch
+    return step_config, micro_batch
 
 
 def load_data(cfg, gpt_config, micro_batch, procs):

@@ -333,7 +333,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     assert {r["total_batch_size"] for r in results} == {2 * 8 * 64}
     assert all(r["tokens_per_sec"] > 0 for r in results)
     levers = [(kw["attention"], step.optimizer.fused_adamw, step.compile_mode, model.config.vocab_size,
-               step.scale.loss, kw["recompute"]) for (model, _, step), kw in built]
+               step.loss_kind, kw["recompute"]) for (model, _, step), kw in built]
     project, baseline = ("auto", None, None, 50304, "auto", "none"), ("math", False, None, 50257, "masked", "none")
     assert levers == [project, baseline, ("auto", None, None, 50257, "auto", "none"),
                       ("math", None, None, 50304, "auto", "none"), ("auto", None, None, 50304, "chunked", "none"),

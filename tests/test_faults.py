@@ -723,7 +723,7 @@ def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "--total_batch_size", "32",
                        "-B", "auto", "--fault", "oom@1")
     config = GPTConfig(**TINY_CONFIG)
-    plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode, loss="masked"), dtype_bytes=4).total
+    plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode), compute=memory.Compute(dtype_bytes=4)).total
                         for mode in ("none", "full"))
     assert recomputed < 0.9 * plan
     assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {memory.n_params(config):,} "
