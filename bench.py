@@ -507,7 +507,7 @@ def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, d
     with torch._inductor.config.patch(levers["inductor"]):
         try:
             step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                              loss_kind=levers["loss"], compile_mode=levers["compile"])
+                              loss_kind=pick_loss(levers["loss"], device_type), compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
             figures = measure(model, trainable, loader)
         except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here

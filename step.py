@@ -5,7 +5,7 @@ micro-batch, the ranks' agreement on the loss, clipping and the optimizer's step
 loop and bench.py's timings run this same step."""
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,6 @@ import distributed
 import sharding
 from devices import autocast, synchronize
 from distributed import RunError
-from loss import pick_loss
 from model import GPT
 from optimizers import OptimizerConfig, build_optimizer, set_lr
 from train_config import ScaleConfig
@@ -26,12 +25,13 @@ from train_config import ScaleConfig
 @dataclass(frozen=True)
 class StepConfig:
     """How build_trainable builds a Trainable and how its steps run: the run's optimizer and
-    scale settings, and what its flags settle to on one device."""
+    scale settings, and what its flags settle to on one device (the loss's kind, the dtype, compiled
+    or not), nothing auto left."""
     dtype: torch.dtype  # autocast's; float32 is none
     tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
     optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
     scale: ScaleConfig = ScaleConfig()  # FSDP (recompute is the model's own)
-    loss_kind: str = "masked"  # how the loss is computed (loss.LOSSES)
+    loss_kind: str = "masked"  # how the loss is computed: one of loss.LOSSES
     compile_mode: str | None = None  # None: eager
 
 
@@ -66,8 +66,7 @@ def build_trainable(raw_model, device, config, init=None):
     the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
-    own: see setup. The loss is config's, auto resolved for device (loss.pick_loss)."""
-    config = replace(config, loss_kind=pick_loss(config.loss_kind, device.split(":")[0]))
+    own: see setup. config is as settled for device, nothing auto left in it (train_gpt2.settle_step)."""
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")

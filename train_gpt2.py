@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -56,16 +56,24 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- setup
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What the run evaluates, as its data and model allow (settle_evaluation)."""
+    val_steps: int  # --val_steps, or the fewer micro-batches the val shards hold
+    sample_interval: int  # --sample_interval, or 0 where the model's vocabulary is not GPT-2's
+
+
 @dataclass
 class Run:
     """What setup builds for the loop."""
-    cfg: TrainConfig  # with what this run settles: its loss, what it can evaluate (val steps, samples)
+    cfg: TrainConfig  # as asked, and so recorded in checkpoints; what it settles to here is below
     rank: int
     world_size: int
     log: object  # print on rank 0, nothing elsewhere
-    trainable: Trainable
+    trainable: Trainable  # its step_config: --loss, --dtype and --compile as settled on the device
     train_loader: ShardLoader  # its micro-batch, B, the run's: -B N's, or -B auto's pick, halved if a step runs out
     val_loader: ShardLoader  # None without val shards
+    evaluation: Evaluation
     hellaswag_examples: list  # None when not scored
     start_step: int
     metrics: MetricsLog
@@ -85,16 +93,21 @@ class Processes:
 
 def setup(cfg):
     """Processes, log_dir, model, data, optimizer and the state to resume from, in that order.
-    Every check that can fail runs on every rank, and stops them all alike."""
-    cfg, procs = start_processes(cfg)
+    Every check that can fail runs on every rank, and stops them all alike. cfg stays as asked; what
+    it settles to on this machine is settled here, each once: how the step runs (settle_step), the
+    micro-batch (memory.resolve_micro_batch: the train loader's) and what it evaluates."""
+    procs = start_processes(cfg)
+    step_config = settle_step(cfg, procs)  # a loss that cannot run here is refused before log_dir is touched
     on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, tidied and checked
     log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, procs.rank == 0)
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, procs.log, procs.rank == 0)
     on_every_rank(logdir.check_log_dir, cfg.log_dir, cfg.checkpoints.resume, cfg.init_from, procs.log, procs.rank == 0)
     mirrors = on_every_rank(logdir.log_mirrors, cfg, procs.rank == 0)
     raw_model, init = build_model(cfg, procs.device, procs.log)
-    step_config, micro_batch = plan_step(cfg, raw_model, procs)
-    train_loader, val_loader, cfg = load_data(cfg, raw_model.config, micro_batch, procs)
+    micro_batch = memory.resolve_micro_batch(cfg, memory.Compute.of(step_config), raw_model.config, procs.device,
+                                             procs.world_size, procs.log)
+    train_loader, val_loader = load_data(cfg, raw_model.config, micro_batch, procs)
+    evaluation = settle_evaluation(cfg, raw_model.config, val_loader, procs.log)
     hellaswag_examples = hellaswag.load_for_run(cfg.eval, procs.local_rank, raw_model.config, procs.log)
     trainable = build_trainable(raw_model, procs.device, step_config, init=init)
     torch.manual_seed(cfg.runtime.seed + procs.rank)  # the init was every rank's alike; dropout's masks are each rank's own
@@ -104,13 +117,13 @@ def setup(cfg):
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors)
-    return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, hellaswag_examples,
-               start_step, metrics, checkpointer, log_dir_lock)
+    return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, evaluation,
+               hellaswag_examples, start_step, metrics, checkpointer, log_dir_lock)
 
 
 def start_processes(cfg):
-    """(cfg with its loss settled for the device, Processes): one process per GPU under torchrun.
-    What cannot run here is refused before anything is written or allocated."""
+    """This process's place in the run (Processes): one process per GPU under torchrun. What cannot
+    run here is refused before anything is written or allocated."""
     rank, local_rank, world_size, device = distributed.init(cfg.runtime.device)
     log = partial(print, flush=True) if rank == 0 else lambda message: None
     if cfg.world_size_problem(world_size):
@@ -118,20 +131,31 @@ def start_processes(cfg):
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
-    try:
-        cfg = replace(cfg, runtime=replace(cfg.runtime, loss_kind=pick_loss(cfg.runtime.loss_kind, device.split(":")[0])))
-    except ValueError as e:
-        raise RunError(str(e)) from None
     if cfg.init_from == "scratch":  # a loaded model is as big as it is
         unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))
         agree(f"{unfit} (see --plan)" if unfit else None)
-    return cfg, Processes(rank, local_rank, world_size, device, log)
+    return Processes(rank, local_rank, world_size, device, log)
+
+
+def settle_step(cfg, procs):
+    """How the run's steps run on procs' device (the StepConfig build_trainable takes): the loss's
+    kind (loss.pick_loss: --loss auto's pick, or a RunError for one that cannot run there), the
+    autocast dtype, compiled or not."""
+    device_type, log = procs.device.split(":")[0], procs.log
+    try:
+        loss_kind = pick_loss(cfg.runtime.loss_kind, device_type)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
+    return StepConfig(pick_dtype(cfg.runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
+                      cfg.scale, loss_kind, compile_mode)
 
 
 def build_model(cfg, device, log):
     """(the GPT, init): random, or the weights of anything load_model takes, whose architecture (not
     dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized one
-    parameter at a time from init, its recorded initialisation (see sharding.py); init is None else."""
+    parameter at a time from init, its recorded initialisation (see sharding.py); init is None else.
+    On a CPU, with a forecast of the run's length."""
     torch.manual_seed(cfg.runtime.seed)
     devices.allow_tf32()
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
@@ -153,30 +177,17 @@ def build_model(cfg, device, log):
         raw_model = GPT(cfg.model, **options).to(device)
     if problem := seq_len_problem(cfg.batch.seq_len, raw_model.config.block_size, "the model's block_size"):
         raise RunError(problem)
+    batch = cfg.batch
+    if device == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
+                                                         batch.total_batch_size, cfg.schedule.max_steps)):
+        log(note)
     return raw_model, init
 
 
-def plan_step(cfg, raw_model, procs):
-    """(StepConfig, micro-batch) of the run on procs' device: compiled or not, the autocast dtype,
-    and -B N's micro-batch or -B auto's pick (memory.resolve_micro_batch), with a forecast of the
-    run's length on a CPU."""
-    device_type, log = procs.device.split(":")[0], procs.log
-    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
-    batch = cfg.batch
-    step_config = StepConfig(dtype, batch.total_batch_size, cfg.optimizer, cfg.scale, cfg.runtime.loss_kind, compile_mode)
-    micro_batch = memory.resolve_micro_batch(cfg, memory.Compute.of(step_config), raw_model.config, procs.device,
-                                             procs.world_size, log)
-    if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
-                                                              batch.total_batch_size, cfg.schedule.max_steps)):
-        log(note)
-    return step_config, micro_batch
-
-
 def load_data(cfg, gpt_config, micro_batch, procs):
-    """(train loader, val loader or None, cfg with what it can evaluate settled): every shard
-    checked now, naming the shard, not hours in, and a line of how the train loader cuts a step.
-    The demo's own shards are made on first use."""
+    """(train loader, val loader or None), of micro_batch sequences: every shard checked now, naming
+    the shard, not hours in, and a line of how the train loader cuts a step. The demo's own shards
+    are made on first use."""
     note = on_every_rank(fineweb.shard_demo_corpus, cfg.data_dir, procs.rank == 0, errors=(fineweb.InputError, OSError))
     if note:
         procs.log(note)
@@ -197,19 +208,26 @@ def load_data(cfg, gpt_config, micro_batch, procs):
     # Agreed: a node whose copy of the shards differs stops every rank, not only its own.
     train_loader, val_loader = on_every_rank(checked_loaders, errors=(ShardError,))
     batch = cfg.batch
-    procs.log(f"world size {procs.world_size}, device {procs.device}, {train_loader.micro_steps(batch.total_batch_size)} "
-              f"micro-steps of {train_loader.B}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
-    evaluation = cfg.eval
+    steps = train_loader.micro_steps(batch.total_batch_size)
+    procs.log(f"world size {procs.world_size}, device {procs.device}, {steps} micro-steps of "
+              f"{train_loader.B}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    return train_loader, val_loader
+
+
+def settle_evaluation(cfg, gpt_config, val_loader, log):
+    """What the run of cfg evaluates (Evaluation), as a GPT of gpt_config and val_loader (None
+    without val shards) allow, each shortfall said in a line."""
+    val_steps, sample_interval = cfg.eval.val_steps, cfg.eval.sample_interval
     if val_loader is None:
-        procs.log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
-    elif val_loader.batches_per_epoch < evaluation.val_steps:
-        procs.log(f"warning: the val shards hold {val_loader.batches_per_epoch} micro-batches per rank, "
-                  f"fewer than --val_steps {evaluation.val_steps}: using {val_loader.batches_per_epoch}")
-        evaluation = replace(evaluation, val_steps=val_loader.batches_per_epoch)
-    if evaluation.sample_interval and gpt2_vocab_problem(gpt_config.vocab_size):
-        procs.log(f"note: no samples: {gpt2_vocab_problem(gpt_config.vocab_size)}")
-        evaluation = replace(evaluation, sample_interval=0)
-    return train_loader, val_loader, replace(cfg, eval=evaluation)
+        log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
+    elif val_loader.batches_per_epoch < val_steps:
+        log(f"warning: the val shards hold {val_loader.batches_per_epoch} micro-batches per rank, "
+            f"fewer than --val_steps {val_steps}: using {val_loader.batches_per_epoch}")
+        val_steps = val_loader.batches_per_epoch
+    if sample_interval and gpt2_vocab_problem(gpt_config.vocab_size):
+        log(f"note: no samples: {gpt2_vocab_problem(gpt_config.vocab_size)}")
+        sample_interval = 0
+    return Evaluation(val_steps, sample_interval)
 
 
 def restore_state(cfg, trainable, train_loader, log):
@@ -251,7 +269,7 @@ def train(requested):
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
-            if cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step) and step > 0:
+            if run.evaluation.sample_interval and (step % run.evaluation.sample_interval == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
                 break
@@ -349,7 +367,7 @@ def evaluate(run, step):
     tokens = step * run.cfg.batch.total_batch_size
     val_loss = None
     if run.val_loader is not None:
-        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.cfg.eval.val_steps)
+        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.evaluation.val_steps)
         if not math.isfinite(val_loss):  # never a result: the weights or the val shards are broken
             raise RunError(f"the val loss at step {step} is {val_loss}: check the val shards "
                            f"({', '.join(shard.path for shard in run.val_loader.shards)})")

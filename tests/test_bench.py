@@ -334,10 +334,11 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     assert all(r["tokens_per_sec"] > 0 for r in results)
     levers = [(kw["attention"], step.optimizer.fused_adamw, step.compile_mode, model.config.vocab_size,
                step.loss_kind, kw["recompute"]) for (model, _, step), kw in built]
-    project, baseline = ("auto", None, None, 50304, "auto", "none"), ("math", False, None, 50257, "masked", "none")
-    assert levers == [project, baseline, ("auto", None, None, 50257, "auto", "none"),
-                      ("math", None, None, 50304, "auto", "none"), ("auto", None, None, 50304, "chunked", "none"),
-                      *[("auto", None, None, 50304, "auto", mode) for mode in ("full", "attn", "core_attn")]]
+    # --loss auto as the trainer settles it on a CPU: masked.
+    project, baseline = ("auto", None, None, 50304, "masked", "none"), ("math", False, None, 50257, "masked", "none")
+    assert levers == [project, baseline, ("auto", None, None, 50257, "masked", "none"),
+                      ("math", None, None, 50304, "masked", "none"), ("auto", None, None, 50304, "chunked", "none"),
+                      *[("auto", None, None, 50304, "masked", mode) for mode in ("full", "attn", "core_attn")]]
     assert {(accum, B) for accum, B in stepped} == {(2, 8), (4, 4), (8, 2)}
     assert set(flash) == {("auto", True), ("math", False)}
 

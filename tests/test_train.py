@@ -649,6 +649,19 @@ def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
     assert [r["step"] for r in train_records(records)] == [0, 2, 4]
 
 
+def test_a_checkpoint_records_the_flags_as_asked_not_as_this_machine_settled_them(shards, tmp_path, capsys):
+    """--loss auto (masked on a CPU), -B auto (8: the step's sequences), a --val_steps past what the
+    val shards hold and samples of a vocabulary that is not GPT-2's are settled for this run, which
+    says so; its checkpoint's flags keep what was asked, for a resume elsewhere to settle again."""
+    train(shards, tmp_path, "--total_batch_size", "256", "--max_steps", "1", "--loss", "auto", "-B", "auto",
+          "--eval_interval", "1", "--val_steps", "1000", "--sample_interval", "1")
+    out = capsys.readouterr().out
+    assert "micro-batch auto: 8 (" in out and "fewer than --val_steps 1000: using 15" in out and "no samples" in out
+    flags = checkpoint.recorded_flags(load_checkpoint(str(tmp_path / "ckpt_000001.pt")))
+    assert (flags["loss"], flags["micro_batch_size"], flags["val_steps"], flags["sample_interval"]) == \
+        ("auto", "auto", 1000, 1)
+
+
 def test_seed_sets_the_order_of_later_epochs(shards, tmp_path):
     def epoch_1_start(*flags):
         log_dir = tmp_path / str(len(os.listdir(tmp_path)))
