@@ -17,6 +17,7 @@ import distributed
 import sharding
 from devices import autocast, synchronize
 from distributed import RunError
+from loss import pick_loss
 from model import GPT
 from optimizers import OptimizerConfig, build_optimizer, set_lr
 from train_config import ScaleConfig
@@ -33,6 +34,20 @@ class StepConfig:
     scale: ScaleConfig = ScaleConfig()  # FSDP (recompute is the model's own)
     loss_kind: str = "masked"  # how the loss is computed: one of loss.LOSSES
     compile_mode: str | None = None  # None: eager
+
+    @classmethod
+    def settle(cls, cfg, device, log):
+        """The StepConfig of the run of cfg (a TrainConfig) on device, its autos settled there: the
+        loss's kind (loss.pick_loss; a RunError for one that cannot run there), the autocast dtype
+        and whether it compiles (their notes to log)."""
+        device_type, runtime = device.split(":")[0], cfg.runtime
+        try:
+            loss_kind = pick_loss(runtime.loss_kind, device_type)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        compile_mode = runtime.compile_mode if devices.resolve_compile(runtime.compile, device_type, log) else None
+        return cls(devices.pick_dtype(runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
+                   cfg.scale, loss_kind, compile_mode)
 
 
 @dataclass
@@ -66,7 +81,7 @@ def build_trainable(raw_model, device, config, init=None):
     the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
-    own: see setup. config is as settled for device, nothing auto left in it (train_gpt2.settle_step)."""
+    own: see setup. config is settled for device (StepConfig.settle): nothing in it is auto."""
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")

@@ -31,12 +31,11 @@ from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
 from cli import first_line, print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
-from devices import peak_flops, pick_dtype
+from devices import peak_flops
 from distributed import RunError, agree, on_every_rank
 from faults import Faults
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
-from loss import pick_loss
 from model import ATTENTION_KERNELS, GPT
 from optimizers import current_muon_lr, describe
 from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
@@ -94,10 +93,10 @@ class Processes:
 def setup(cfg):
     """Processes, log_dir, model, data, optimizer and the state to resume from, in that order.
     Every check that can fail runs on every rank, and stops them all alike. cfg stays as asked; what
-    it settles to on this machine is settled here, each once: how the step runs (settle_step), the
-    micro-batch (memory.resolve_micro_batch: the train loader's) and what it evaluates."""
+    it settles to on this machine is settled here, each once: how the step runs (StepConfig.settle),
+    the micro-batch (memory.resolve_micro_batch: the train loader's) and what it evaluates."""
     procs = start_processes(cfg)
-    step_config = settle_step(cfg, procs)  # a loss that cannot run here is refused before log_dir is touched
+    step_config = StepConfig.settle(cfg, procs.device, procs.log)  # a loss that cannot run here: before log_dir
     on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, tidied and checked
     log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, procs.rank == 0)
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, procs.log, procs.rank == 0)
@@ -137,20 +136,6 @@ def start_processes(cfg):
     return Processes(rank, local_rank, world_size, device, log)
 
 
-def settle_step(cfg, procs):
-    """How the run's steps run on procs' device (the StepConfig build_trainable takes): the loss's
-    kind (loss.pick_loss: --loss auto's pick, or a RunError for one that cannot run there), the
-    autocast dtype, compiled or not."""
-    device_type, log = procs.device.split(":")[0], procs.log
-    try:
-        loss_kind = pick_loss(cfg.runtime.loss_kind, device_type)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    return StepConfig(pick_dtype(cfg.runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
-                      cfg.scale, loss_kind, compile_mode)
-
-
 def build_model(cfg, device, log):
     """(the GPT, init): random, or the weights of anything load_model takes, whose architecture (not
     dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized one
@@ -177,9 +162,8 @@ def build_model(cfg, device, log):
         raw_model = GPT(cfg.model, **options).to(device)
     if problem := seq_len_problem(cfg.batch.seq_len, raw_model.config.block_size, "the model's block_size"):
         raise RunError(problem)
-    batch = cfg.batch
-    if device == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
-                                                         batch.total_batch_size, cfg.schedule.max_steps)):
+    step_flops = raw_model.flops_per_token(cfg.batch.seq_len) * cfg.batch.total_batch_size
+    if device == "cpu" and (note := devices.cpu_forecast(step_flops, cfg.schedule.max_steps)):
         log(note)
     return raw_model, init
 
@@ -207,10 +191,9 @@ def load_data(cfg, gpt_config, micro_batch, procs):
         return train_loader, val_loader
     # Agreed: a node whose copy of the shards differs stops every rank, not only its own.
     train_loader, val_loader = on_every_rank(checked_loaders, errors=(ShardError,))
-    batch = cfg.batch
-    steps = train_loader.micro_steps(batch.total_batch_size)
-    procs.log(f"world size {procs.world_size}, device {procs.device}, {steps} micro-steps of "
-              f"{train_loader.B}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
+    tokens = cfg.batch.total_batch_size
+    procs.log(f"world size {procs.world_size}, device {procs.device}, {train_loader.micro_steps(tokens)} micro-steps "
+              f"of {train_loader.B}x{cfg.batch.seq_len} tokens per step of {tokens}")
     return train_loader, val_loader
 
 
@@ -269,7 +252,8 @@ def train(requested):
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
-            if run.evaluation.sample_interval and (step % run.evaluation.sample_interval == 0 or last_step) and step > 0:
+            samples = run.evaluation.sample_interval
+            if samples and (step % samples == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
                 break
@@ -312,11 +296,9 @@ def fitted_step(run, step, lr, stop_requested):
         return train_step_fitting(run.trainable, run.train_loader, lr, stop_requested, halve=auto,
                                   log=lambda line: run.log(f"out of memory at step {step}: {line}"))
     except StepOutOfMemory:
-        if not auto:
-            raise RunError(f"out of memory at step {step} at -B {run.train_loader.B}: try -B auto, or a smaller -B"
-                           ) from None
-        raise RunError(f"out of memory at step {step} at micro-batch 1: "
-                       f"{memory.out_of_memory_advice(run.cfg, run.world_size, run.trainable)}") from None
+        where = (f"at micro-batch 1: {memory.out_of_memory_advice(run.cfg, run.world_size, run.trainable)}" if auto
+                 else f"at -B {run.train_loader.B}: try -B auto, or a smaller -B")
+        raise RunError(f"out of memory at step {step} {where}") from None
 
 
 def finish(run, step, stopped, val, seconds):
