@@ -64,12 +64,6 @@ class BatchConfig:
                                 if 2**k <= AUTO_MAX_MICRO_BATCH and sequences % 2**k == 0]
 
 
-def micro_steps(tokens_per_step, micro_batch, seq_len, world_size=1):
-    """Micro-steps (forward-backward passes) in an optimizer step of tokens_per_step tokens, each of
-    world_size ranks taking micro_batch sequences of seq_len a micro-step: the gradient accumulation."""
-    return tokens_per_step // (micro_batch * seq_len * world_size)
-
-
 def split_problem(tokens_per_step, micro_batch, seq_len, world_size=1):
     """Why tokens_per_step tokens cannot be cut into micro-steps of micro_batch sequences (auto: any
     number) of seq_len on each of world_size ranks, or None; the message suggests a total that can."""

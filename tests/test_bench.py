@@ -317,7 +317,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
     def step(t, loader, lr, stop_requested=no_stop):
-        stepped.append((t.step_config.tokens_per_step // (loader.B * loader.T), loader.B))
+        stepped.append((loader.micro_steps(t.step_config.tokens_per_step), loader.B))
         if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:
             raise StepOutOfMemory  # the baseline does not fit: as the step says on a device too small
         return train_step(t, loader, lr, stop_requested)

@@ -32,8 +32,11 @@ def test_a_loader_resized_mid_epoch_reads_the_same_tokens_in_smaller_batches(tmp
     whole = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
     halved = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
     assert torch.equal(step_tokens(whole, 2), step_tokens(halved, 2))
+    tokens = 2 * world_size * B * T  # a step of two micro-batches
+    assert [loader.micro_steps(tokens) for loader in halved] == [2] * world_size
     for loader in halved:
         loader.resize(B // 2)
+    assert [loader.micro_steps(tokens) for loader in halved] == [4] * world_size
     for _ in range(2):
         expected = step_tokens(whole, 2)
         assert torch.equal(step_tokens(halved, 4), expected)
