@@ -22,6 +22,7 @@ from model import GPT
 from optimizers import OptimizerConfig, build_optimizer, set_lr
 from train_config import ScaleConfig
 
+# ----------------------------------------------------------------------------- what the step works on
 
 @dataclass(frozen=True)
 class StepConfig:
@@ -81,7 +82,7 @@ def build_trainable(raw_model, device, config, init=None):
     the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
-    own: see setup. config is settled for device (StepConfig.settle): nothing in it is auto."""
+    own (train_gpt2.build_model). config is settled for device (StepConfig.settle): nothing auto."""
     dtype = config.dtype
     if config.scale.fsdp:
         model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
