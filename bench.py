@@ -51,14 +51,13 @@ from distributed import RunError
 from loss import LOSSES, pick_loss
 from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
+from step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
 from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
-from train_config import ScaleConfig, TrainConfig, micro_steps, split_problem
-from train_gpt2 import StepOutOfMemory, train_step, train_step_fitting
-from trainable import StepConfig, build_trainable
+from train_config import TrainConfig, split_problem
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
-# What train_gpt2.py's step does beyond the plain loop, that --levers switches off one at a
+# What the trainer's step (step.py) does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
 # rows; SDPA's fused attention kernel (off: its math fallback). The baseline has none of them.
 LEVERS = ("compile", "fused_adamw", "padded_vocab", "flash_attention")
@@ -390,7 +389,6 @@ def compiles(args, device_type):
 def bench_train(args, device, workdir, record):
     device_type = device.split(":")[0]
     sizes = train_sizes(args, device_type)
-    T = sizes["seq_len"]
     dtype = pick_dtype(args.dtype, device_type)
     compile_model = compiles(args, device_type)
     shard = os.path.join(workdir, shard_name("bench", "train", 1))
@@ -402,19 +400,25 @@ def bench_train(args, device, workdir, record):
             result = dict(name="train", variant=variant, **({"lever": lever} if lever else {}))
             result.update(run_isolated(args.isolate, time_train_run, sizes, B, levers, variant == "baseline", shard,
                                        device, dtype))
-            micro = result.setdefault("micro_batch_size", B)  # smaller where the run halved it to fit
-            result.update(grad_accum_steps=micro_steps(total_batch(sizes, B), micro, T),
-                          total_batch_size=total_batch(sizes, B))
-            halved = f" (halved from {B})" if micro != B else ""
-            result["config"] = (f"L{sizes['n_layer']} C{sizes['n_embd']} B{micro}{halved} T{T} "
-                                f"accum={result['grad_accum_steps']} {str(dtype).split('.')[1]} "
-                                f"compile={int(levers['compile'] is not None)}")
+            result.update(total_batch_size=total_batch(sizes, B),
+                          config=run_config(sizes, B, result, dtype, levers["compile"] is not None))
             if "losses" in result:
                 result = judged(result, project, follow=True)
                 project = project or result
             record(result)
     if args.profile:
         bench_profile(args, sizes, shard, device, dtype, record)
+
+
+def run_config(sizes, B, result, dtype, compiled):
+    """The config column of a run at micro-batch B: the model, the micro-batch its steps ran at (the
+    train loader's, smaller where the run halved it to fit), their gradient accumulation (where the
+    run got as far as its loader), the dtype and whether it compiled."""
+    micro = result.get("micro_batch_size", B)
+    halved = f" (halved from {B})" if micro != B else ""
+    accum = f" accum={result['grad_accum_steps']}" if "grad_accum_steps" in result else ""
+    return (f"L{sizes['n_layer']} C{sizes['n_embd']} B{micro}{halved} T{sizes['seq_len']}{accum} "
+            f"{str(dtype).split('.')[1]} compile={int(compiled)}")
 
 
 def train_levers(variant, lever, compile_model):
@@ -435,7 +439,7 @@ def train_levers(variant, lever, compile_model):
 
 
 def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
-    """The figures of train_gpt2.train_step, total_batch(sizes, B) tokens per optimizer step in
+    """The figures of step.train_step, total_batch(sizes, B) tokens per optimizer step in
     micro-steps of B, timed on a fresh model, with the micro-batch it ran at, or {"out_of_memory": True},
     or {"error": why}. With shrink_to_fit, a step that runs out of memory runs again at half the
     micro-batch, as the trainer's under -B auto (train_step_fitting): the same tokens per step, at what fits."""
@@ -452,8 +456,7 @@ def time_train_run(sizes, B, levers, shrink_to_fit, shard, device, dtype):
         return dict(tokens_per_sec=total / seconds, ms_per_step=1000 * seconds,
                     mfu=model.flops_per_token(T) * total / seconds / peak if peak else None,
                     peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device_type == "cuda" else None,
-                    losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps],
-                    micro_batch_size=loader.B)
+                    losses=[step.loss for step in steps], grad_norms=[step.grad_norm for step in steps])
     return train_run(sizes, B, total, levers, shard, device, dtype, measure)
 
 
@@ -490,30 +493,32 @@ def send_run(sender, run, args):
 
 def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, dtype, measure):
     """measure(model, trainable, loader) of a fresh model's Trainable, whose steps take tokens_per_step
-    tokens, and a loader of micro_batch_size: its dict, or {"out_of_memory": True}, or {"error": why}."""
+    tokens, and a loader of micro_batch_size: its dict, or {"out_of_memory": True}, or {"error": why};
+    with the loader's micro-batch at the end (halved where a step ran out of memory and the run
+    halves) and its micro-steps a step."""
     device_type = device.split(":")[0]
     torch.manual_seed(0)
     torch.compiler.reset()  # a fresh trace: no recompiling, as for a new shape, after the last run
     model = GPT(train_model_config(sizes, levers["vocab_size"]), recompute=levers["recompute"],
                 attention=ATTENTION_KERNELS[levers["attention"]]).to(device)
+    loader = ShardLoader([shard], micro_batch_size, sizes["seq_len"])
     trainable = None
     # Inductor reads its settings when it compiles, on the first step: set for the whole run.
     with torch._inductor.config.patch(levers["inductor"]):
         try:
             step = StepConfig(dtype, tokens_per_step, OptimizerConfig(fused_adamw=levers["fused_adamw"]),
-                              ScaleConfig(loss=levers["loss"]),
-                              compile_mode=levers["compile"])
+                              loss_kind=pick_loss(levers["loss"], device_type), compile_mode=levers["compile"])
             trainable = build_trainable(model, device, step)
-            return measure(model, trainable, ShardLoader([shard], micro_batch_size, sizes["seq_len"]))
+            figures = measure(model, trainable, loader)
         except (torch.cuda.OutOfMemoryError, StepOutOfMemory):  # an answer too: this size does not train here
-            return {"out_of_memory": True}
+            figures = {"out_of_memory": True}
         except RunError as e:  # train_step's refusal of a step without gradient: a run that trains nothing
-            return {"wrong": str(e)}
+            figures = {"wrong": str(e)}
         except Exception as e:  # a lever that breaks (a compile error, say) must not cost the other runs
             first_line = next(iter(str(e).strip().splitlines()), "")
             error = f"{type(e).__name__}: {first_line}"
             print(f"warning: train B{micro_batch_size}: {levers}: {error}", file=sys.stderr)
-            return {"error": error}
+            figures = {"error": error}
         finally:  # the next run starts with the device's memory free
             model = trainable = None
             gc.collect()
@@ -522,6 +527,7 @@ def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, d
                     torch.cuda.empty_cache()
                 except RuntimeError:  # the device failed (an illegal memory access, say): recorded above, and after
                     pass
+    return dict(figures, micro_batch_size=loader.B, grad_accum_steps=loader.micro_steps(tokens_per_step))
 
 
 # ----------------------------------------------------------------------------- profile
@@ -529,16 +535,15 @@ def train_run(sizes, micro_batch_size, tokens_per_step, levers, shard, device, d
 def bench_profile(args, sizes, shard, device, dtype, record):
     """The project's step at the first -B profiled (profile_train_steps), each category's time beside
     its floor at the device's ceilings (step_profile.floors), recorded as a result named profile."""
-    B, T = sizes["micro_batch_size"][0], sizes["seq_len"]
+    B = sizes["micro_batch_size"][0]
     tokens = total_batch(sizes, B)
     compile_model = compiles(args, device.split(":")[0])
     levers = train_levers("project", None, compile_model)
-    result = dict(name="profile", variant="project",
-                  config=f"L{sizes['n_layer']} C{sizes['n_embd']} B{B} T{T} accum={micro_steps(tokens, B, T)} "
-                         f"{str(dtype).split('.')[1]} compile={int(compile_model)}")
     ceilings = device_ceilings(device, dtype, args.quick)
+    result = dict(name="profile", variant="project")
     result.update(run_isolated(args.isolate, profile_train_steps, sizes, B, tokens, levers, shard, device, dtype,
                                args.trace))
+    result["config"] = run_config(sizes, B, result, dtype, compile_model)
     if "rows" in result:
         work = step_profile.step_work(train_model_config(sizes, levers["vocab_size"]), tokens, dtype.itemsize)
         result.update(step_profile.floors(result, work, ceilings))

@@ -154,7 +154,7 @@ def warn_unwritten(path, why):
 # ----------------------------------------------------------------------------- the parts of a run
 
 def training_parts(trainable, train_loader):
-    """The stateful parts of a run (trainable: train_gpt2.Trainable), by the name each has in a
+    """The stateful parts of a run (trainable: step.Trainable), by the name each has in a
     checkpoint. Each has state_dict() and load_state_dict(saved), which returns None or a note on
     the checkpoint to log after its path; those whose tensors a sharded checkpoint holds in DCP's
     storage files (in_storage) also have dcp_state_dict() and load_dcp_state_dict(loaded), in

@@ -227,6 +227,11 @@ class ShardLoader:
         """Tokens all ranks together read per call of next_batch."""
         return self.world_size * self.B * self.T
 
+    def micro_steps(self, tokens_per_step):
+        """Calls of next_batch, each rank's forward-backward passes, that make an optimizer step of
+        tokens_per_step tokens over all ranks: the step's gradient accumulation at this B."""
+        return tokens_per_step // self.tokens_per_index
+
     def position_problem(self, state):
         """Why state, a state_dict() to load, is not a position of this loader, or None: its
         epoch, index and tokens_per_index integers (not bools), the epoch a count below

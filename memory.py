@@ -25,7 +25,7 @@ from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
 from model import GPTConfig
 from tokenizer import N_VOCAB, PADDED_VOCAB
-from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig, micro_steps
+from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
 
@@ -45,6 +45,20 @@ class Plan:
     def table(self):
         rows = [(name, getattr(self, name)) for name in ("weights", "gradients", "optimizer", "activations", "logits")]
         return "\n".join(f"  {name:<12} {size / GiB:8.2f} GiB" for name, size in rows + [("total", self.total)])
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How a step computes, as the plan counts it: the bytes of the autocast dtype (4: float32, no
+    autocast), compiled or eager, and the loss's kind (one of loss.LOSSES: settled, never auto)."""
+    dtype_bytes: int = 2
+    compiled: bool = False
+    loss_kind: str = "masked"
+
+    @classmethod
+    def of(cls, step_config):
+        """How the steps of a StepConfig (step.py) compute."""
+        return cls(step_config.dtype.itemsize, step_config.compile_mode is not None, step_config.loss_kind)
 
 
 def n_params(config):
@@ -97,8 +111,9 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
     return batch * seq_len * (blocks + top)
 
 
-def logits_bytes(config, batch, seq_len, loss, a=2, compiled=False):
-    """The peak of the loss (one of loss.LOSSES), by what it does with the (positions, vocab) logits:
+def logits_bytes(config, batch, seq_len, loss_kind, a=2, compiled=False):
+    """The peak of the loss of loss_kind (one of loss.LOSSES), by what it does with the (positions,
+    vocab) logits:
     - fused: one chunk's logits in the autocast dtype alone, their gradient written over them, plus
       the head's float32 gradient it keeps for the backward (head_gradient_bytes);
     - chunked: the same, and the float32 copy of the chunk's real columns that torch's row kernel
@@ -109,12 +124,12 @@ def logits_bytes(config, batch, seq_len, loss, a=2, compiled=False):
       tensor of their size were held at once: fitted to the peak measured at GPT-2 (124M), B=64,
       bf16 on an H200 (41.2 GiB; docs/scaling.md), how the step's peak splits between the
       activations and the loss being unmeasured."""
-    if loss not in LOSSES:
-        raise ValueError(f"the plan needs the loss the run computes, one of {', '.join(LOSSES)}, not {loss!r}")
-    if loss == "masked":
+    if loss_kind not in LOSSES:
+        raise ValueError(f"the plan needs the loss the run computes, one of {', '.join(LOSSES)}, not {loss_kind!r}")
+    if loss_kind == "masked":
         return batch * seq_len * config.vocab_size * ((a + 4) if compiled else 12)
     rows = min(batch * seq_len, CHUNK)
-    copy = rows * min(config.vocab_size, N_VOCAB) * 4 if loss == "chunked" and a < 4 else 0
+    copy = rows * min(config.vocab_size, N_VOCAB) * 4 if loss_kind == "chunked" and a < 4 else 0
     return rows * config.vocab_size * a + copy + head_gradient_bytes(config)
 
 
@@ -124,12 +139,12 @@ def head_gradient_bytes(config):
     return 4 * config.vocab_size * config.n_embd
 
 
-def plan(config, batch, seq_len, scale=ScaleConfig(loss="masked"), world_size=1, dtype_bytes=2, optimizer="adamw", compiled=False):
+def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, compute=Compute(), optimizer="adamw"):
     """The memory one GPU needs for a training step of a GPT of config, batch sequences of seq_len
-    a micro-step, with scale's levers (FSDP over world_size ranks, recompute, the loss: not auto),
-    compiled or eager, split as Plan's fields. ValueError for sizes whose total is past a float's
-    range: no figure in GiB can be printed for them."""
-    P = n_params(config)
+    a micro-step, with scale's levers (FSDP over world_size ranks, recompute), computing as compute
+    says (the dtype, compiled or eager, the loss's kind), split as Plan's fields. ValueError for
+    sizes whose total is past a float's range: no figure in GiB can be printed for them."""
+    P, dtype_bytes = n_params(config), compute.dtype_bytes
     state = optimizer_bytes(config, optimizer)
     if scale.fsdp:
         # A rank's slice of everything, plus what is whole for a moment: the blocks gathered at once (this
@@ -143,7 +158,7 @@ def plan(config, batch, seq_len, scale=ScaleConfig(loss="masked"), world_size=1,
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
                     activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, scale.loss, dtype_bytes, compiled))
+                    logits_bytes(config, batch, seq_len, compute.loss_kind, dtype_bytes, compute.compiled))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -154,7 +169,7 @@ def fit_problem(config, device, world_size=1, fsdp=False):
     alone (16 bytes a parameter, over the ranks under FSDP) exceed the device's memory. Asked before
     allocating: a typo in a size would otherwise be an out-of-memory crash or hours of swapping."""
     try:
-        estimate = plan(config, 1, 1, ScaleConfig(fsdp=fsdp, loss="masked"), world_size, dtype_bytes=4)
+        estimate = plan(config, 1, 1, ScaleConfig(fsdp=fsdp), world_size, Compute(dtype_bytes=4))
     except ValueError as e:  # past a float's range: past any device too
         return str(e)
     need, have = estimate.weights + estimate.gradients + estimate.optimizer, device_memory(device)
@@ -187,28 +202,37 @@ def described(memory_bytes, device):
     return f"{size(memory_bytes)} {'free' if str(device).startswith('cuda') else 'available'}"
 
 
-def run_plan(cfg, micro_batch, world_size, dtype_bytes, compiled, gpt_config=None, scale=None):
-    """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, for a GPT of gpt_config
-    (default: cfg.model) with scale (default: cfg.scale)."""
-    return plan(gpt_config or cfg.model, micro_batch, cfg.batch.seq_len, scale or cfg.scale, world_size, dtype_bytes,
-                cfg.optimizer.name, compiled)
+def run_plan(cfg, micro_batch, world_size, compute, gpt_config=None, scale=None):
+    """plan() of the run of cfg (a TrainConfig) at micro_batch sequences, computing as compute says,
+    for a GPT of gpt_config (default: cfg.model) with scale (default: cfg.scale)."""
+    return plan(gpt_config or cfg.model, micro_batch, cfg.batch.seq_len, scale or cfg.scale, world_size, compute,
+                cfg.optimizer.name)
 
 
 def fits(estimate, memory_bytes, device="cuda"):
     return estimate.total <= headroom(device) * memory_bytes
 
 
-def pick_micro_batch(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_config=None, device="cuda"):
-    """-B auto on memory_bytes of device: the largest of BatchConfig.auto_micro_batches whose plan
-    fits in headroom(device) of it, and that plan; (None, None) when none does."""
-    for batch in cfg.batch.auto_micro_batches(world_size):
-        estimate = run_plan(cfg, batch, world_size, dtype_bytes, compiled, gpt_config)
-        if fits(estimate, memory_bytes, device):
-            return batch, estimate
-    return None, None
+def pick_micro_batch(cfg, world_size, memory_bytes, compute, gpt_config=None, device="cuda"):
+    """The largest of BatchConfig.auto_micro_batches whose plan fits in headroom(device) of
+    memory_bytes of device, or None."""
+    return next((batch for batch in cfg.batch.auto_micro_batches(world_size)
+                 if fits(run_plan(cfg, batch, world_size, compute, gpt_config), memory_bytes, device)), None)
 
 
-def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_config=None, device="cuda"):
+def auto_micro_batch(cfg, world_size, memory_bytes, compute, gpt_config=None, device="cuda"):
+    """-B auto's micro-batch on memory_bytes of device (a GPU's free memory, a host's available):
+    pick_micro_batch's, or where memory_bytes is None (it cannot be read) the largest candidate.
+    ValueError, one line of unfit_advice, where none fits."""
+    if memory_bytes is None:
+        return cfg.batch.auto_micro_batches(world_size)[0]
+    picked = pick_micro_batch(cfg, world_size, memory_bytes, compute, gpt_config, device)
+    if picked is None:
+        raise ValueError(f"-B auto: {unfit_advice(cfg, world_size, memory_bytes, compute, gpt_config, device)}")
+    return picked
+
+
+def unfit_advice(cfg, world_size, memory_bytes, compute, gpt_config=None, device="cuda"):
     """One line: what the run of cfg plans at one sequence against memory_bytes of device (free on a
     GPU, available on a host), and what would fit: the plan of --recompute full, or on GPUs of --fsdp
     1 with it over enough of them; or that nothing does. Where the plan fits (the step ran out of
@@ -216,7 +240,7 @@ def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_confi
     gpt_config, gpu = gpt_config or cfg.model, str(device).startswith("cuda")
 
     def need(scale, ranks):
-        return run_plan(cfg, 1, ranks, dtype_bytes, compiled, gpt_config, scale)
+        return run_plan(cfg, 1, ranks, compute, gpt_config, scale)
 
     def fit(scale, ranks=world_size):
         return fits(need(scale, ranks), memory_bytes, device)
@@ -242,11 +266,11 @@ def unfit_advice(cfg, world_size, memory_bytes, dtype_bytes, compiled, gpt_confi
 
 
 def out_of_memory_advice(cfg, world_size, trainable):
-    """unfit_advice for the run of cfg, whose step on trainable (train_gpt2's Trainable) ran out of
+    """unfit_advice for the run of cfg, whose step on trainable (step.Trainable) ran out of
     memory at one sequence: against the device's memory as -B auto reads it, else its total."""
-    device, gpt_config, step_config = trainable.device, trainable.raw_model.config, trainable.step_config
+    device, gpt_config = trainable.device, trainable.raw_model.config
     return unfit_advice(cfg, world_size, free_memory(device, gpt_config) or device_memory(device),
-                        step_config.dtype.itemsize, step_config.compile_mode is not None, gpt_config, device)
+                        Compute.of(trainable.step_config), gpt_config, device)
 
 
 def free_memory(device, gpt_config=None):
@@ -267,32 +291,28 @@ def free_memory(device, gpt_config=None):
         return None
 
 
-def resolve_micro_batch(cfg, gpt_config, device, world_size, dtype, compiled, log):
-    """The micro-batch the run of cfg takes on device: -B N's N, or -B auto's pick for a GPT of
-    gpt_config, the same on every rank (the smallest any rank picked), with a line saying so.
-    RunError on every rank where the model does not fit at one sequence."""
-    batch = cfg.batch
-    if batch.micro_batch_size != "auto":
-        return batch.micro_batch_size
+def resolve_micro_batch(cfg, compute, gpt_config, device, world_size, log):
+    """The micro-batch the run of cfg takes on device, computing as compute says: -B N's N, or -B
+    auto's pick for a GPT of gpt_config (auto_micro_batch), the same on every rank (the smallest any
+    rank picked), with a line saying so. RunError on every rank where the model does not fit at one
+    sequence."""
+    if cfg.batch.micro_batch_size != "auto":
+        return cfg.batch.micro_batch_size
     free = free_memory(device, gpt_config)
-    ceiling = batch.auto_micro_batches(world_size)[0]
-    error = None
-    if free is None:
-        picked, why = ceiling, (f"the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step: "
-                                + ("the GPU's free memory cannot be read" if device.startswith("cuda") else
-                                   "the host's available memory cannot be read" if device == "cpu" else
-                                   f"{device.split(':')[0]} memory is not planned"))
-    else:
-        picked, estimate = pick_micro_batch(cfg, world_size, free, dtype.itemsize, compiled, gpt_config, device)
-        if picked is None:
-            error = f"-B auto: {unfit_advice(cfg, world_size, free, dtype.itemsize, compiled, gpt_config, device)}"
+    try:
+        picked, error = auto_micro_batch(cfg, world_size, free, compute, gpt_config, device), None
+    except ValueError as e:
+        picked, error = None, str(e)
     agree(error)
     picked = min(every_rank(picked))
-    if free is not None:
-        estimate = run_plan(cfg, picked, world_size, dtype.itemsize, compiled, gpt_config)
-        why = f"plan {size(estimate.total)} of {described(free, device)}"
-    log(f"micro-batch auto: {picked} ({why}), {micro_steps(batch.total_batch_size, picked, batch.seq_len, world_size)} "
-        f"micro-steps per step")
+    if free is None:
+        why = (f"the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step: "
+               + ("the GPU's free memory cannot be read" if device.startswith("cuda") else
+                  "the host's available memory cannot be read" if device == "cpu" else
+                  f"{device.split(':')[0]} memory is not planned"))
+    else:
+        why = f"plan {size(run_plan(cfg, picked, world_size, compute, gpt_config).total)} of {described(free, device)}"
+    log(f"micro-batch auto: {picked} ({why})")
     return picked
 
 
@@ -315,31 +335,24 @@ def print_plan(cfg):
         torch.cuda.is_available() else free_memory(device_type)
     try:
         # On a GPU this machine lacks, with Triton: torch's CUDA builds bring it.
-        cfg = replace(cfg, scale=cfg.scale.settled(device_type, elsewhere or None))
-        batch, scale = cfg.batch, cfg.scale
+        compute = Compute(dtype.itemsize, compiled, pick_loss(cfg.runtime.loss_kind, device_type, elsewhere or None))
         if cfg.world_size_problem(world_size):
             raise ValueError(cfg.world_size_problem(world_size))
-        if batch.micro_batch_size != "auto":
-            micro_batch, choice = batch.micro_batch_size, None
-        elif card is None:
-            micro_batch = batch.auto_micro_batches(world_size)[0]
-            choice = (f"-B auto: {micro_batch}, the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step "
-                      f"(no {'GPU' if device_type == 'cuda' else device_type} memory to fit it in: --gpu_memory GIB "
-                      f"plans for a card)")
-        else:
-            micro_batch, _ = pick_micro_batch(cfg, world_size, card, dtype.itemsize, compiled, device=where)
-            if micro_batch is None:
-                advice = unfit_advice(cfg, world_size, card, dtype.itemsize, compiled, device=where)
-                raise ValueError(f"-B auto: {advice}")
-            choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}, "
-                      f"{micro_steps(batch.total_batch_size, micro_batch, batch.seq_len, world_size)} micro-steps per step")
-        estimate = run_plan(cfg, micro_batch, world_size, dtype.itemsize, compiled)
+        micro_batch, choice = cfg.batch.micro_batch_size, None
+        if micro_batch == "auto":
+            micro_batch = auto_micro_batch(cfg, world_size, card, compute, device=where)
+            choice = (f"-B auto: {micro_batch} on {size(card) if cfg.gpu_memory else described(card, where)}" if card
+                      else f"-B auto: {micro_batch}, the largest up to {AUTO_MAX_MICRO_BATCH} that divides the step "
+                           f"(no {'GPU' if device_type == 'cuda' else device_type} memory to fit it in: --gpu_memory GIB "
+                           f"plans for a card)")
+        estimate = run_plan(cfg, micro_batch, world_size, compute)
     except ValueError as e:
         sys.exit(f"error: {e}")
     precision = "float32, no autocast" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
+    scale = cfg.scale
     print(f"{n_params(cfg.model):,} parameters; {world_size} x {device_type} under "
           f"{'FSDP' if scale.fsdp else 'DDP'}, recompute {scale.recompute} (every {scale.recompute_every}), {precision}, "
-          f"{'compiled' if compiled else 'eager'}, micro-batch {micro_batch}x{batch.seq_len}, {scale.loss} "
+          f"{'compiled' if compiled else 'eager'}, micro-batch {micro_batch}x{cfg.batch.seq_len}, {compute.loss_kind} "
           f"loss, optimizer {cfg.optimizer.name}; "
           f"per {'GPU' if device_type == 'cuda' else 'device'}:")
     print(estimate.table())
@@ -350,18 +363,18 @@ def print_plan(cfg):
               f"{cfg.gpu_memory:g} GiB" + ("" if fits(estimate, card) else ": try -B auto"))
 
 
-def largest_batch(config, gib, scale, world_size=1):
-    """The largest micro-batch of 1024 positions whose plan, compiled in bfloat16, fits a GPU of gib
-    GiB (fits), or 0."""
-    batch = 0
-    while batch < 512 and fits(plan(config, batch + 1, 1024, scale, world_size, compiled=True), gib * GiB):
+def largest_batch(config, gib, scale, loss_kind, world_size=1):
+    """The largest micro-batch of 1024 positions whose plan, compiled in bfloat16 with the loss of
+    loss_kind, fits a GPU of gib GiB (fits), or 0."""
+    compute, batch = Compute(2, True, loss_kind), 0
+    while batch < 512 and fits(plan(config, batch + 1, 1024, scale, world_size, compute), gib * GiB):
         batch += 1
     return batch
 
 
 def preset_model(name):
-    """(GPTConfig, loss) of the preset configs/NAME.toml: its model flags over the trainer's
-    defaults, GPT-2 (124M) at the padded vocabulary, and the loss it computes on a GPU."""
+    """(GPTConfig, loss kind) of the preset configs/NAME.toml: its model flags over the trainer's
+    defaults, GPT-2 (124M) at the padded vocabulary, and the loss's kind on a GPU."""
     values = read_config(preset_path(name))
     fields = {key: values[key] for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout")
               if key in values}
@@ -378,12 +391,12 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
     lines = ["| model | params | GPU | `-B auto` | " + " | ".join(name for name, _, _ in ways) + " |",
              "|---" * (4 + len(ways)) + "|"]
     presets = {name: preset_model(name) for name in preset_names() if name != "demo"}
-    for name, (config, loss) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
+    for name, (config, loss_kind) in sorted(presets.items(), key=lambda item: (n_params(item[1][0]), item[0])):
         total = read_config(preset_path(name)).get("total_batch_size", BatchConfig().total_batch_size)
-        run = TrainConfig(model=config, batch=BatchConfig(total), scale=ScaleConfig(loss=loss))
+        run = TrainConfig(model=config, batch=BatchConfig(total))
         for gib in gpus:
-            batches = [pick_micro_batch(run, 1, gib * GiB, 2, compiled=True)[0] or "—"]
-            batches += [largest_batch(config, gib, ScaleConfig(loss=loss, **levers), ranks) or "—"
+            batches = [pick_micro_batch(run, 1, gib * GiB, Compute(2, True, loss_kind)) or "—"]
+            batches += [largest_batch(config, gib, ScaleConfig(**levers), loss_kind, ranks) or "—"
                         for _, levers, ranks in ways]
             lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
     return "\n".join(lines)

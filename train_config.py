@@ -11,13 +11,13 @@ import argparse
 import math
 import os
 import types
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
 from cli import Parser, Retired, preset_names, preset_path
 from faults import fault_problem, parse_fault
 from inputs import brief
-from loss import LOSSES, pick_loss
+from loss import LOSSES
 from model import RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
 from settings import check_not_negative, check_positive, setting
@@ -62,12 +62,6 @@ class BatchConfig:
         sequences, rest = divmod(self.total_batch_size, self.seq_len * world_size)
         return [] if rest else [2**k for k in reversed(range(AUTO_MAX_MICRO_BATCH.bit_length()))
                                 if 2**k <= AUTO_MAX_MICRO_BATCH and sequences % 2**k == 0]
-
-
-def micro_steps(tokens_per_step, micro_batch, seq_len, world_size=1):
-    """Micro-steps (forward-backward passes) in an optimizer step of tokens_per_step tokens, each of
-    world_size ranks taking micro_batch sequences of seq_len a micro-step: the gradient accumulation."""
-    return tokens_per_step // (micro_batch * seq_len * world_size)
 
 
 def split_problem(tokens_per_step, micro_batch, seq_len, world_size=1):
@@ -151,25 +145,17 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ScaleConfig:
-    """What decides a step's memory beyond the model and the batch (memory.plan's levers)."""
+    """What a step trades for memory beyond the model and the batch: sharding over the ranks, and
+    recomputing in the backward pass (memory.plan's levers, with the loss's kind)."""
     fsdp: int = setting(0, "shard parameters, gradients and AdamW's state over the ranks (FSDP2), for models that do "
                            "not fit under DDP; checkpoints are then sharded directories", choices=[0, 1])
     recompute: str = setting("none", "recompute in the backward pass instead of keeping activations: the whole block, "
                                      "its attention sublayer, or only SDPA's core (less memory, more compute)",
                              choices=RECOMPUTE)
     recompute_every: int = setting(1, "recompute in every Nth block only (1: all)")
-    loss: str = setting("auto", "how the loss is computed, the same loss each way (loss.py): masked, the logits whole; "
-                                "chunked or fused, a chunk of positions at a time with torch's or Triton's row kernel, "
-                                "never the (B*T, vocab) logits (less memory); auto: fused on CUDA where Triton imports, "
-                                "else masked", choices=("auto",) + LOSSES)
 
     def __post_init__(self):
         check_positive(self, "recompute_every")
-
-    def settled(self, device_type, triton=None):
-        """These settings with --loss auto resolved on device_type (loss.pick_loss: ValueError, one
-        line, for a loss that cannot run there); triton: whether Triton imports (default: asked)."""
-        return replace(self, loss=pick_loss(self.loss, device_type, triton))
 
 
 # The flags --loss replaced, and what each meant at 1: refused in one line naming --loss, on a command
@@ -180,7 +166,8 @@ RETIRED_FLAGS = {"chunked_loss": "--loss chunked", "fused_loss": "--loss fused"}
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Device, precision, compile, seeds, data checks, logging, and faults injected on purpose."""
+    """Device, precision, compile, kernels (attention's, the loss's), seeds, data checks, logging, and
+    faults injected on purpose. Each auto here is settled on the device the run takes."""
     device: str = setting("auto", "auto (cuda, else mps, else cpu), cpu, cuda, cuda:K (one process only: under "
                                   "torchrun each takes cuda:LOCAL_RANK), mps")
     dtype: str = setting("auto", "autocast dtype; auto: bfloat16 on CUDA from Ampere on, float16 with loss scaling "
@@ -190,6 +177,11 @@ class RuntimeConfig:
                                            "compile", choices=["default", "max-autotune-no-cudagraphs"])
     attention: str = setting("auto", "SDPA's kernel: auto (torch's choice: flash attention on recent GPUs), cuDNN's, "
                                      "or the math reference", choices=["auto", "cudnn", "math"])
+    loss_kind: str = setting("auto", "how the loss is computed, the same loss each way (loss.py): masked, the logits "
+                                     "whole; chunked or fused, a chunk of positions at a time with torch's or Triton's "
+                                     "row kernel, never the (B*T, vocab) logits (less memory); auto: fused on CUDA where "
+                                     "Triton imports, else masked (loss.pick_loss)", flag="loss",
+                             choices=("auto",) + LOSSES)
     seed: int = setting(1337, "seeds the init, the data order and the samples")
     shuffle: int = setting(1, "from the second epoch on, permute the shards and the windows within them (the first is "
                               "in file order)", choices=[0, 1])

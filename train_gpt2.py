@@ -11,8 +11,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -32,16 +31,16 @@ from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
 from cli import first_line, print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
-from devices import peak_flops, pick_dtype, synchronize
+from devices import peak_flops
 from distributed import RunError, agree, on_every_rank
 from faults import Faults
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
 from model import ATTENTION_KERNELS, GPT
-from optimizers import current_muon_lr, describe, set_lr
+from optimizers import current_muon_lr, describe
+from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
 from tokenizer import gpt2_vocab_problem
-from train_config import TrainConfig, micro_steps, seq_len_problem
-from trainable import StepConfig, Trainable, build_trainable, to_device
+from train_config import TrainConfig, seq_len_problem
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 # Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said
@@ -56,16 +55,24 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- setup
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What the run evaluates, as its data and model allow (settle_evaluation)."""
+    val_steps: int  # --val_steps, or the fewer micro-batches the val shards hold
+    sample_interval: int  # --sample_interval, or 0 where the model's vocabulary is not GPT-2's
+
+
 @dataclass
 class Run:
     """What setup builds for the loop."""
-    cfg: TrainConfig  # with what this run settles: its loss, what it can evaluate (val steps, samples)
+    cfg: TrainConfig  # as asked, and so recorded in checkpoints; what it settles to here is below
     rank: int
     world_size: int
     log: object  # print on rank 0, nothing elsewhere
-    trainable: Trainable
+    trainable: Trainable  # its step_config: --loss, --dtype and --compile as settled on the device
     train_loader: ShardLoader  # its micro-batch, B, the run's: -B N's, or -B auto's pick, halved if a step runs out
     val_loader: ShardLoader  # None without val shards
+    evaluation: Evaluation
     hellaswag_examples: list  # None when not scored
     start_step: int
     metrics: MetricsLog
@@ -85,16 +92,21 @@ class Processes:
 
 def setup(cfg):
     """Processes, log_dir, model, data, optimizer and the state to resume from, in that order.
-    Every check that can fail runs on every rank, and stops them all alike."""
-    cfg, procs = start_processes(cfg)
+    Every check that can fail runs on every rank, and stops them all alike. cfg stays as asked; what
+    it settles to on this machine is settled here, each once: how the step runs (StepConfig.settle),
+    the micro-batch (memory.resolve_micro_batch: the train loader's) and what it evaluates."""
+    procs = start_processes(cfg)
+    step_config = StepConfig.settle(cfg, procs.device, procs.log)  # a loss that cannot run here: before log_dir
     on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, tidied and checked
     log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, procs.rank == 0)
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, procs.log, procs.rank == 0)
     on_every_rank(logdir.check_log_dir, cfg.log_dir, cfg.checkpoints.resume, cfg.init_from, procs.log, procs.rank == 0)
     mirrors = on_every_rank(logdir.log_mirrors, cfg, procs.rank == 0)
     raw_model, init = build_model(cfg, procs.device, procs.log)
-    step_config, micro_batch = plan_step(cfg, raw_model, procs)
-    train_loader, val_loader, cfg = load_data(cfg, raw_model.config, micro_batch, procs)
+    micro_batch = memory.resolve_micro_batch(cfg, memory.Compute.of(step_config), raw_model.config, procs.device,
+                                             procs.world_size, procs.log)
+    train_loader, val_loader = load_data(cfg, raw_model.config, micro_batch, procs)
+    evaluation = settle_evaluation(cfg, raw_model.config, val_loader, procs.log)
     hellaswag_examples = hellaswag.load_for_run(cfg.eval, procs.local_rank, raw_model.config, procs.log)
     trainable = build_trainable(raw_model, procs.device, step_config, init=init)
     torch.manual_seed(cfg.runtime.seed + procs.rank)  # the init was every rank's alike; dropout's masks are each rank's own
@@ -104,13 +116,13 @@ def setup(cfg):
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors)
-    return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, hellaswag_examples,
-               start_step, metrics, checkpointer, log_dir_lock)
+    return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, evaluation,
+               hellaswag_examples, start_step, metrics, checkpointer, log_dir_lock)
 
 
 def start_processes(cfg):
-    """(cfg with its loss settled for the device, Processes): one process per GPU under torchrun.
-    What cannot run here is refused before anything is written or allocated."""
+    """This process's place in the run (Processes): one process per GPU under torchrun. What cannot
+    run here is refused before anything is written or allocated."""
     rank, local_rank, world_size, device = distributed.init(cfg.runtime.device)
     log = partial(print, flush=True) if rank == 0 else lambda message: None
     if cfg.world_size_problem(world_size):
@@ -118,20 +130,17 @@ def start_processes(cfg):
     if cfg.scale.fsdp and not dist.is_initialized():
         raise RunError("--fsdp 1 shards over the ranks of torchrun: torchrun --nproc_per_node=N train_gpt2.py ...")
     check_run_sources(cfg.init_from, cfg.checkpoints.resume)  # the same on every rank: all stop alike
-    try:
-        cfg = replace(cfg, scale=cfg.scale.settled(device.split(":")[0]))
-    except ValueError as e:
-        raise RunError(str(e)) from None
     if cfg.init_from == "scratch":  # a loaded model is as big as it is
         unfit = memory.fit_problem(cfg.model, device, world_size, bool(cfg.scale.fsdp))
         agree(f"{unfit} (see --plan)" if unfit else None)
-    return cfg, Processes(rank, local_rank, world_size, device, log)
+    return Processes(rank, local_rank, world_size, device, log)
 
 
 def build_model(cfg, device, log):
     """(the GPT, init): random, or the weights of anything load_model takes, whose architecture (not
     dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized one
-    parameter at a time from init, its recorded initialisation (see sharding.py); init is None else."""
+    parameter at a time from init, its recorded initialisation (see sharding.py); init is None else.
+    On a CPU, with a forecast of the run's length."""
     torch.manual_seed(cfg.runtime.seed)
     devices.allow_tf32()
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
@@ -153,31 +162,16 @@ def build_model(cfg, device, log):
         raw_model = GPT(cfg.model, **options).to(device)
     if problem := seq_len_problem(cfg.batch.seq_len, raw_model.config.block_size, "the model's block_size"):
         raise RunError(problem)
+    step_flops = raw_model.flops_per_token(cfg.batch.seq_len) * cfg.batch.total_batch_size
+    if device == "cpu" and (note := devices.cpu_forecast(step_flops, cfg.schedule.max_steps)):
+        log(note)
     return raw_model, init
 
 
-def plan_step(cfg, raw_model, procs):
-    """(StepConfig, micro-batch) of the run on procs' device: compiled or not, the autocast dtype,
-    and -B N's micro-batch or -B auto's pick (memory.resolve_micro_batch); logged, with a forecast
-    of the run's length on a CPU."""
-    device_type, log = procs.device.split(":")[0], procs.log
-    compile_mode = cfg.runtime.compile_mode if devices.resolve_compile(cfg.runtime.compile, device_type, log) else None
-    dtype = pick_dtype(cfg.runtime.dtype, device_type, log)
-    batch = cfg.batch
-    micro_batch = memory.resolve_micro_batch(cfg, raw_model.config, procs.device, procs.world_size, dtype,
-                                             compile_mode is not None, log)
-    log(f"world size {procs.world_size}, device {procs.device}, "
-        f"{micro_steps(batch.total_batch_size, micro_batch, batch.seq_len, procs.world_size)} micro-steps of "
-        f"{micro_batch}x{batch.seq_len} tokens per step of {batch.total_batch_size}")
-    if device_type == "cpu" and (note := devices.cpu_forecast(raw_model.flops_per_token(batch.seq_len) *
-                                                              batch.total_batch_size, cfg.schedule.max_steps)):
-        log(note)
-    return StepConfig(dtype, batch.total_batch_size, cfg.optimizer, cfg.scale, compile_mode), micro_batch
-
-
 def load_data(cfg, gpt_config, micro_batch, procs):
-    """(train loader, val loader or None, cfg with what it can evaluate settled): every shard
-    checked now, naming the shard, not hours in. The demo's own shards are made on first use."""
+    """(train loader, val loader or None), of micro_batch sequences: every shard checked now, naming
+    the shard, not hours in, and a line of how the train loader cuts a step. The demo's own shards
+    are made on first use."""
     note = on_every_rank(fineweb.shard_demo_corpus, cfg.data_dir, procs.rank == 0, errors=(fineweb.InputError, OSError))
     if note:
         procs.log(note)
@@ -197,17 +191,26 @@ def load_data(cfg, gpt_config, micro_batch, procs):
         return train_loader, val_loader
     # Agreed: a node whose copy of the shards differs stops every rank, not only its own.
     train_loader, val_loader = on_every_rank(checked_loaders, errors=(ShardError,))
-    evaluation = cfg.eval
+    tokens = cfg.batch.total_batch_size
+    procs.log(f"world size {procs.world_size}, device {procs.device}, {train_loader.micro_steps(tokens)} micro-steps "
+              f"of {train_loader.B}x{cfg.batch.seq_len} tokens per step of {tokens}")
+    return train_loader, val_loader
+
+
+def settle_evaluation(cfg, gpt_config, val_loader, log):
+    """What the run of cfg evaluates (Evaluation), as a GPT of gpt_config and val_loader (None
+    without val shards) allow, each shortfall said in a line."""
+    val_steps, sample_interval = cfg.eval.val_steps, cfg.eval.sample_interval
     if val_loader is None:
-        procs.log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
-    elif val_loader.batches_per_epoch < evaluation.val_steps:
-        procs.log(f"warning: the val shards hold {val_loader.batches_per_epoch} micro-batches per rank, "
-                  f"fewer than --val_steps {evaluation.val_steps}: using {val_loader.batches_per_epoch}")
-        evaluation = replace(evaluation, val_steps=val_loader.batches_per_epoch)
-    if evaluation.sample_interval and gpt2_vocab_problem(gpt_config.vocab_size):
-        procs.log(f"note: no samples: {gpt2_vocab_problem(gpt_config.vocab_size)}")
-        evaluation = replace(evaluation, sample_interval=0)
-    return train_loader, val_loader, replace(cfg, eval=evaluation)
+        log(f"warning: no *_val_*.npy shards in {cfg.data_dir}: no val loss")
+    elif val_loader.batches_per_epoch < val_steps:
+        log(f"warning: the val shards hold {val_loader.batches_per_epoch} micro-batches per rank, "
+            f"fewer than --val_steps {val_steps}: using {val_loader.batches_per_epoch}")
+        val_steps = val_loader.batches_per_epoch
+    if sample_interval and gpt2_vocab_problem(gpt_config.vocab_size):
+        log(f"note: no samples: {gpt2_vocab_problem(gpt_config.vocab_size)}")
+        sample_interval = 0
+    return Evaluation(val_steps, sample_interval)
 
 
 def restore_state(cfg, trainable, train_loader, log):
@@ -249,7 +252,8 @@ def train(requested):
             if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
                 val_loss = evaluate(run, step)
                 val = val if val_loss is None else (step, val_loss)
-            if cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step) and step > 0:
+            samples = run.evaluation.sample_interval
+            if samples and (step % samples == 0 or last_step) and step > 0:
                 write_samples(run, step)
             if last_step:
                 break
@@ -292,11 +296,9 @@ def fitted_step(run, step, lr, stop_requested):
         return train_step_fitting(run.trainable, run.train_loader, lr, stop_requested, halve=auto,
                                   log=lambda line: run.log(f"out of memory at step {step}: {line}"))
     except StepOutOfMemory:
-        if not auto:
-            raise RunError(f"out of memory at step {step} at -B {run.train_loader.B}: try -B auto, or a smaller -B"
-                           ) from None
-        raise RunError(f"out of memory at step {step} at micro-batch 1: "
-                       f"{memory.out_of_memory_advice(run.cfg, run.world_size, run.trainable)}") from None
+        where = (f"at micro-batch 1: {memory.out_of_memory_advice(run.cfg, run.world_size, run.trainable)}" if auto
+                 else f"at -B {run.train_loader.B}: try -B auto, or a smaller -B")
+        raise RunError(f"out of memory at step {step} {where}") from None
 
 
 def finish(run, step, stopped, val, seconds):
@@ -340,138 +342,6 @@ def log_step(run, step, result, seconds, bad_steps):
                       grad_norm=result.grad_norm, dt_ms=1000 * seconds, tokens_per_sec=tokens_per_sec)
 
 
-# ----------------------------------------------------------------------------- the step
-
-@dataclass
-class StepResult:
-    loss: float  # the mean over micro-steps and ranks
-    grad_norm: float  # before clipping
-    lr: float  # the schedule's; each param group steps at a multiple of it
-    skipped: bool  # a non-finite loss or gradient: the weights did not change
-
-
-class StepOutOfMemory(Exception):
-    """A training step that ran out of memory on some rank: every rank dropped its partial work."""
-
-
-def no_stop(*flags):
-    """train_step's stop_requested where no signal stops a step: [False, then whether each of flags
-    is true on any rank]."""
-    return distributed.any_rank(False, *flags)
-
-
-def train_step(trainable, loader, lr, stop_requested=no_stop):
-    """One optimizer step of trainable.step_config.tokens_per_step tokens: a forward-backward pass per
-    micro-batch of the loader's, all-reduced (under DDP) only on the last; then the ranks agree on
-    the loss, the gradients are unscaled and clipped, and the optimizer steps at lr, unless the loss
-    or gradient is not finite. Returns once the device has finished, so the caller's clock times
-    the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
-    [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
-    raises StepOutOfMemory, the weights and optimizer untouched and the loader and random state back
-    at the step's start (step_start). A stop never waits for a long step (torchrun SIGKILLs). A
-    gradient of norm exactly 0 at a finite loss, which no working configuration gives, is a
-    RunError on every rank before the step."""
-    ddp = trainable.ddp() is not None
-    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
-    # so. Set to None, each step would allocate a second set and copy it into the buckets.
-    trainable.optimizer.zero_grad(set_to_none=not ddp)
-    loss_sum = torch.zeros((), device=trainable.device)
-    rewind = step_start(loader, trainable.device)
-    out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
-    grad_accum_steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
-    for micro_step in range(grad_accum_steps):
-        x, y = (to_device(b, trainable.device) for b in loader.next_batch())
-        last = micro_step == grad_accum_steps - 1
-        try:
-            with trainable.step_model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
-                loss = trainable.step_model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
-        except RuntimeError as e:
-            if not devices.is_out_of_memory(e):
-                raise
-            out_of_memory = True
-        # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
-        stop, out_of_memory = stop_requested(out_of_memory)
-        if stop or out_of_memory:
-            rewind()
-            if out_of_memory:
-                raise StepOutOfMemory
-            return None
-        loss = loss / grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
-        loss_sum += loss.detach()
-        try:
-            trainable.scaler.scale(loss).backward()
-        except RuntimeError as e:
-            if not devices.is_out_of_memory(e):
-                raise
-            out_of_memory = True
-    if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
-        rewind()
-        raise StepOutOfMemory
-    return optimizer_step(trainable, loss_sum, lr)
-
-
-def step_start(loader, device):
-    """A function that puts back what a dropped step has moved on: the loader's position and the
-    random state that draws dropout's masks (the CPU generator's, and on a GPU its own). The step,
-    run again here or from the checkpoint a stop writes, then draws the masks it would have."""
-    position, cpu = loader.state_dict(), torch.get_rng_state()
-    gpu = torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
-
-    def rewind():
-        loader.load_state_dict(position)
-        torch.set_rng_state(cpu)
-        if gpu is not None:
-            torch.cuda.set_rng_state(gpu, device)
-    return rewind
-
-
-def optimizer_step(trainable, loss_sum, lr):
-    """train_step's end, once the micro-steps' gradients are in: the ranks agree on the loss, the
-    gradients are unscaled and clipped, and the optimizer steps at lr, unless the loss or gradient
-    is not finite; a gradient of norm exactly 0 at a finite loss is a RunError."""
-    # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
-    # rank's was) and norm (of gradients already all-reduced), so all decide alike.
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-    trainable.scaler.unscale_(trainable.optimizer)
-    norm = sharding.clip_grad_norm(trainable.raw_model.parameters(), trainable.step_config.optimizer.grad_clip)
-    loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
-    loss = loss_sum / distributed.world_size()
-    if norm == 0 and math.isfinite(loss):  # no correct configuration gives an exact 0: refused before it steps
-        raise RunError(f"no parameter received a gradient (the gradient norm is exactly 0 at loss {loss:.4f}) under "
-                       f"--loss {trainable.step_config.scale.loss}: this configuration trains nothing")
-    # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
-    skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
-    if not skipped:
-        set_lr(trainable.optimizer, lr)
-        trainable.scaler.step(trainable.optimizer)
-    trainable.scaler.update()  # after every unscale_, or the next step's unscale_ raises
-    synchronize(trainable.device)
-    return StepResult(loss, norm, lr, skipped)
-
-
-def train_step_fitting(trainable, loader, lr, stop_requested=no_stop, halve=True, log=lambda line: None):
-    """train_step's result. With halve, each time the step runs out of memory it runs again at half
-    the micro-batch and twice the micro-steps: the same tokens (ShardLoader.resize), the same
-    optimizer step, and a line to log. StepOutOfMemory where it cannot: without halve, or at one
-    sequence."""
-    while True:
-        try:
-            return train_step(trainable, loader, lr, stop_requested)
-        except StepOutOfMemory:
-            if not halve or loader.B == 1:
-                raise
-        ddp = trainable.ddp()
-        if ddp is not None:  # its last forward readied an all-reduce no backward will start
-            ddp.reducer._reset_state()
-        batch = loader.B
-        loader.resize(batch // 2)
-        if trainable.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
-        steps = micro_steps(trainable.step_config.tokens_per_step, loader.B, loader.T, distributed.world_size())
-        log(f"micro-batch {batch} -> {loader.B}, {steps} micro-steps per step")
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(run, step):
@@ -479,7 +349,7 @@ def evaluate(run, step):
     tokens = step * run.cfg.batch.total_batch_size
     val_loss = None
     if run.val_loader is not None:
-        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.cfg.eval.val_steps)
+        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.evaluation.val_steps)
         if not math.isfinite(val_loss):  # never a result: the weights or the val shards are broken
             raise RunError(f"the val loss at step {step} is {val_loss}: check the val shards "
                            f"({', '.join(shard.path for shard in run.val_loader.shards)})")

@@ -424,13 +424,19 @@ def never_ending_inputs(tmp_path):
 
 
 class OneBatch:
-    """A loader that gives the same batch every time."""
+    """A loader that gives the same batch every time, in one process."""
     def __init__(self, x, y):
         self.batch = x, y
         self.B, self.T = x.shape
+        self.tokens_per_index = x.numel()
 
     def next_batch(self):
         return self.batch
+
+    def micro_steps(self, tokens_per_step):
+        from data import ShardLoader
+
+        return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of this one's batch
 
     def state_dict(self):
         return {}

@@ -298,12 +298,11 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
 
 @pytest.mark.slow
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
-    """bench.py has no step of its own: each run is train_gpt2.train_step on a Trainable that
-    trainable.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
+    """bench.py has no step of its own: each run is step.train_step on a Trainable that
+    step.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
     too large for the device, halves it and accumulates twice as often: the same tokens per step
     (--quick's default: two micro-batches of -B), halved as the trainer halves it (train_step_fitting)."""
-    import train_gpt2
-    from trainable import build_trainable
+    from step import StepOutOfMemory, build_trainable, no_stop, train_step
 
     built, stepped, flash = [], [], []
 
@@ -319,14 +318,12 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
         return real_sdpa(*args, **kwargs)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
 
-    real_step = train_gpt2.train_step
-
-    def step(t, loader, lr, stop_requested=train_gpt2.no_stop):
-        stepped.append((t.step_config.tokens_per_step // (loader.B * loader.T), loader.B))
+    def step(t, loader, lr, stop_requested=no_stop):
+        stepped.append((loader.micro_steps(t.step_config.tokens_per_step), loader.B))
         if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:
-            raise train_gpt2.StepOutOfMemory  # the baseline does not fit: as the step says on a device too small
-        return real_step(t, loader, lr, stop_requested)
-    monkeypatch.setattr(train_gpt2, "train_step", step)
+            raise StepOutOfMemory  # the baseline does not fit: as the step says on a device too small
+        return train_step(t, loader, lr, stop_requested)
+    monkeypatch.setattr("step.train_step", step)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
     batch = [r["config"].split(" float32")[0].split(" ", 2)[2] for r in results]
@@ -338,11 +335,12 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     assert {r["total_batch_size"] for r in results} == {2 * 8 * 64}
     assert all(r["tokens_per_sec"] > 0 for r in results)
     levers = [(kw["attention"], step.optimizer.fused_adamw, step.compile_mode, model.config.vocab_size,
-               step.scale.loss, kw["recompute"]) for (model, _, step), kw in built]
-    project, baseline = ("auto", None, None, 50304, "auto", "none"), ("math", False, None, 50257, "masked", "none")
-    assert levers == [project, baseline, ("auto", None, None, 50257, "auto", "none"),
-                      ("math", None, None, 50304, "auto", "none"), ("auto", None, None, 50304, "chunked", "none"),
-                      *[("auto", None, None, 50304, "auto", mode) for mode in ("full", "attn", "core_attn")]]
+               step.loss_kind, kw["recompute"]) for (model, _, step), kw in built]
+    # --loss auto as the trainer settles it on a CPU: masked.
+    project, baseline = ("auto", None, None, 50304, "masked", "none"), ("math", False, None, 50257, "masked", "none")
+    assert levers == [project, baseline, ("auto", None, None, 50257, "masked", "none"),
+                      ("math", None, None, 50304, "masked", "none"), ("auto", None, None, 50304, "chunked", "none"),
+                      *[("auto", None, None, 50304, "masked", mode) for mode in ("full", "attn", "core_attn")]]
     assert {(accum, B) for accum, B in stepped} == {(2, 8), (4, 4), (8, 2)}
     assert set(flash) == {("auto", True), ("math", False)}
 

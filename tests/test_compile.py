@@ -10,7 +10,7 @@ import train_gpt2
 from data import ShardLoader, list_shards
 from helpers import write_token_shards
 from model import GPT, GPTConfig
-from trainable import StepConfig, build_trainable
+from step import StepConfig, build_trainable, train_step
 
 
 @pytest.mark.slow
@@ -28,10 +28,10 @@ def test_the_step_compiles_whole_with_inductor_and_equals_eager(tmp_path, monkey
         t = build_trainable(GPT(config), "cpu", step)
         train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
         val = ShardLoader(list_shards(str(tmp_path), "val"), 4, 32, shuffle=False)
-        losses[compiled] = [train_gpt2.train_step(t, train, 1e-3).loss,
+        losses[compiled] = [train_step(t, train, 1e-3).loss,
                             train_gpt2.estimate_val_loss(t, val, 2),
-                            train_gpt2.train_step(t, train, 1e-3).loss,
-                            train_gpt2.train_step(t, train, 1e-3).loss]
+                            train_step(t, train, 1e-3).loss,
+                            train_step(t, train, 1e-3).loss]
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
     # One graph for training and one for evaluation (no grad, eval mode); back to training reuses the first.
     assert counter.frame_count == 2
@@ -54,5 +54,5 @@ def test_a_compiled_model_with_dropout_trains_and_evaluates_as_eager(tmp_path, m
         assert torch.equal(t.step_model(x, y)[1], t.raw_model(x, y)[1])
     t.step_model.train()
     train = ShardLoader(list_shards(str(tmp_path), "train"), 4, 32, shuffle=False)
-    losses = [train_gpt2.train_step(t, train, 3e-3).loss for _ in range(8)]
+    losses = [train_step(t, train, 3e-3).loss for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5

@@ -24,7 +24,7 @@ def stream_loader(tmp_path, sizes, B, T, world_size, rank):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_loader_resized_mid_epoch_reads_the_same_tokens_in_smaller_batches(tmp_path, world_size):
-    """What an out-of-memory step halves to (train_gpt2.train_step_fitting): the step's tokens over all
+    """What an out-of-memory step halves to (step.train_step_fitting): the step's tokens over all
     ranks, in twice the micro-batches of half the sequences, and the same stream after it."""
     def step_tokens(loaders, micro_steps):
         return torch.cat([loader.next_batch()[0].flatten() for _ in range(micro_steps) for loader in loaders]).sort()[0]
@@ -32,8 +32,11 @@ def test_a_loader_resized_mid_epoch_reads_the_same_tokens_in_smaller_batches(tmp
     whole = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
     halved = [stream_loader(tmp_path, sizes, B, T, world_size, r) for r in range(world_size)]
     assert torch.equal(step_tokens(whole, 2), step_tokens(halved, 2))
+    tokens = 2 * world_size * B * T  # a step of two micro-batches
+    assert [loader.micro_steps(tokens) for loader in halved] == [2] * world_size
     for loader in halved:
         loader.resize(B // 2)
+    assert [loader.micro_steps(tokens) for loader in halved] == [4] * world_size
     for _ in range(2):
         expected = step_tokens(whole, 2)
         assert torch.equal(step_tokens(halved, 4), expected)

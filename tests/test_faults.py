@@ -698,7 +698,7 @@ def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, 
     auto), and a resume at another one says so."""
     records = train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--fault", "oom@2")
     out = capsys.readouterr().out
-    assert "micro-batch auto: 8 (" in out and ", 1 micro-steps per step" in out
+    assert "micro-batch auto: 8 (" in out and ", 1 micro-steps of 8x32 tokens per step of 256" in out
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
@@ -723,7 +723,7 @@ def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "--total_batch_size", "32",
                        "-B", "auto", "--fault", "oom@1")
     config = GPTConfig(**TINY_CONFIG)
-    plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode, loss="masked"), dtype_bytes=4).total
+    plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode), compute=memory.Compute(dtype_bytes=4)).total
                         for mode in ("none", "full"))
     assert recomputed < 0.9 * plan
     assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {memory.n_params(config):,} "

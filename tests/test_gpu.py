@@ -7,12 +7,12 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import train_gpt2
+from data import ShardLoader
 from helpers import TINY, read_log, run_torchrun, train_records, write_token_shards
 from loss import LOSSES
 from model import GPT, GPTConfig
+from step import StepConfig, build_trainable, train_step
 from tokenizer import N_VOCAB, PADDED_VOCAB
-from train_config import ScaleConfig
-from trainable import StepConfig, build_trainable
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)
@@ -38,6 +38,10 @@ class FixedBatches:
     def __init__(self, batches):
         self.batches, self.i = batches, 0
         self.B, self.T = batches[0][0].shape
+        self.tokens_per_index = batches[0][0].numel()
+
+    def micro_steps(self, tokens_per_step):
+        return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of these batches
 
     def next_batch(self):
         self.i += 1
@@ -53,11 +57,10 @@ class FixedBatches:
 def losses_of(compile_mode, loss="masked", steps=3):
     torch.manual_seed(0)
     model = GPT(CONFIG).cuda()
-    step = StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, scale=ScaleConfig(loss=loss),
-                                 compile_mode=compile_mode)
+    step = StepConfig(torch.bfloat16, tokens_per_step=2 * 4 * 256, loss_kind=loss, compile_mode=compile_mode)
     t = build_trainable(model, "cuda", step)
     loader = FixedBatches([batch(seed=i) for i in range(2)])
-    return [train_gpt2.train_step(t, loader, 1e-3) for _ in range(steps)]
+    return [train_step(t, loader, 1e-3) for _ in range(steps)]
 
 
 @pytest.mark.parametrize("loss", LOSSES)

@@ -23,9 +23,10 @@ from train_config import ScaleConfig
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
 
 
-def on_a_gpu(cfg):
-    """cfg with its --loss auto resolved as the trainer resolves it on a GPU (with Triton)."""
-    return replace(cfg, scale=cfg.scale.settled("cuda", triton=True))
+# How the default run computes on a GPU: bfloat16, compiled, and --loss auto's loss there (with Triton);
+# and on a CPU: float32, eager, and --loss auto's loss there.
+ON_A_GPU = memory.Compute(2, True, loss.pick_loss("auto", "cuda", triton=True))
+ON_A_CPU = memory.Compute(4, False, loss.pick_loss("auto", "cpu"))
 
 
 def gradients(model, idx, **forward):
@@ -125,7 +126,7 @@ def test_parameter_count_of_every_preset():
 def test_memory_reads_each_preset_as_the_trainer_does():
     for name in preset_names():
         cfg = train_gpt2.parse_args(["--preset", name])
-        assert memory.preset_model(name) == (cfg.model, loss.pick_loss(cfg.scale.loss, "cuda", True)), name
+        assert memory.preset_model(name) == (cfg.model, loss.pick_loss(cfg.runtime.loss_kind, "cuda", True)), name
 
 
 def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
@@ -134,7 +135,8 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
                      "--log_dir", str(log_dir), "--data_dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     config, _ = memory.preset_model("gpt2-xl")
-    expected = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, recompute="full", loss="fused"), world_size=8)
+    expected = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, recompute="full"), world_size=8,
+                           compute=memory.Compute(loss_kind="fused"))
     assert "8 x cuda under FSDP" in out and "bfloat16 autocast" in out
     assert f"{expected.total / memory.GiB:8.2f} GiB" in out.splitlines()[-1]
     assert not log_dir.exists() and not data_dir.exists()
@@ -142,7 +144,7 @@ def test_plan_prints_the_estimate_and_touches_nothing(tmp_path, capsys):
 
 def test_plan_is_of_the_device_and_dtype_the_run_would_take(capsys):
     config, _ = memory.preset_model("demo")
-    float32 = memory.plan(config, 8, 128, dtype_bytes=4)  # -B auto's pick on a CPU: 8 sequences of the 1,024-token step
+    float32 = memory.plan(config, 8, 128, compute=ON_A_CPU)  # -B auto's pick on a CPU: 8 sequences of the 1,024-token step
     runs = [["--device", "cpu"]] + ([[]] if devices.auto_device_type() == "cpu" else [])  # --device auto on a CPU
     for flags in runs:
         train_gpt2.main(["--preset", "demo", "--plan", *flags])
@@ -195,13 +197,13 @@ def test_a_plan_for_no_gpus_is_a_usage_error(capsys, world_size):
 def test_sharding_and_recompute_shrink_the_plan():
     config, _ = memory.preset_model("gpt2-xl")
     ddp = memory.plan(config, 8, 1024)
-    fsdp = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True, loss="masked"), world_size=8)
-    recomputed = memory.plan(config, 8, 1024, ScaleConfig(recompute="full", loss="masked"))
-    chunked = memory.plan(config, 8, 1024, ScaleConfig(loss="chunked"))
+    fsdp = memory.plan(config, 8, 1024, ScaleConfig(fsdp=True), world_size=8)
+    recomputed = memory.plan(config, 8, 1024, ScaleConfig(recompute="full"))
+    chunked = memory.plan(config, 8, 1024, compute=memory.Compute(loss_kind="chunked"))
     assert fsdp.optimizer == ddp.optimizer // 8 and fsdp.activations == ddp.activations
     assert recomputed.activations < ddp.activations / 5 and recomputed.weights == ddp.weights
     assert chunked.logits - memory.head_gradient_bytes(config) < ddp.logits / 2  # a chunk of 8192 positions in bf16 and float32: 6 bytes, not 12
-    compiled = memory.plan(config, 8, 1024, ScaleConfig(loss="masked"), compiled=True)
+    compiled = memory.plan(config, 8, 1024, compute=memory.Compute(compiled=True))
     assert compiled.logits == ddp.logits / 2 and compiled.activations == ddp.activations  # 6 bytes an entry compiled, 12 eager
 
 
@@ -255,9 +257,9 @@ def test_plan_picks_the_micro_batch_that_fits_a_gpu_this_machine_lacks(capsys):
     assert micro_batch in (16, 32) and total <= 24
     assert planned(capsys, "--gpu_memory", 80)[0] == 64
     # The same choice as the trainer's (pick_micro_batch), at the largest power of two that fits.
-    cfg = on_a_gpu(train_gpt2.parse_args(["--gpu_memory", "24", "--plan"]))
-    assert memory.pick_micro_batch(cfg, 1, 24 * memory.GiB, 2, compiled=True)[0] == micro_batch
-    assert not memory.fits(memory.run_plan(cfg, 2 * micro_batch, 1, 2, True), 24 * memory.GiB)
+    cfg = train_gpt2.parse_args(["--gpu_memory", "24", "--plan"])
+    assert memory.pick_micro_batch(cfg, 1, 24 * memory.GiB, ON_A_GPU) == micro_batch
+    assert not memory.fits(memory.run_plan(cfg, 2 * micro_batch, 1, ON_A_GPU), 24 * memory.GiB)
 
 
 def test_a_model_that_fits_no_micro_batch_is_one_line_naming_fsdp(capsys):
@@ -288,42 +290,41 @@ def test_auto_on_a_cpu_fits_the_hosts_available_memory_or_says_it_cannot_read_it
     """The same choice as on a GPU, against HOST_HEADROOM of the host's available memory (the
     model's weights, built already, counted in), shared by the processes torchrun started on it."""
     cfg = train_gpt2.parse_args(["--total_batch_size", str(3 * 8 * 1024)])
-    cfg = replace(cfg, scale=replace(cfg.scale, loss="masked"))  # --loss auto as the trainer resolves it on a CPU
     weights = 4 * memory.n_params(cfg.model)
     logged = []
     for available, processes in ((64 * memory.GiB, 1), (9 * memory.GiB, 1), (18 * memory.GiB, 2), (None, 1)):
         monkeypatch.setattr(memory, "available_memory", lambda: available)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-        picked = memory.resolve_micro_batch(cfg, cfg.model, "cpu", 1, torch.float32, False, logged.append)
+        picked = memory.resolve_micro_batch(cfg, ON_A_CPU, cfg.model, "cpu", 1, logged.append)
         if available is not None:
             budget = available // processes + weights
-            estimate = memory.run_plan(cfg, picked, 1, 4, False)  # float32, eager
+            estimate = memory.run_plan(cfg, picked, 1, ON_A_CPU)
             assert memory.fits(estimate, budget, "cpu")
-            assert picked == 8 or not memory.fits(memory.run_plan(cfg, 2 * picked, 1, 4, False), budget, "cpu")
+            assert picked == 8 or not memory.fits(memory.run_plan(cfg, 2 * picked, 1, ON_A_CPU), budget, "cpu")
             assert logged[-1] == (f"micro-batch auto: {picked} (plan {memory.size(estimate.total)} of "
-                                  f"{memory.size(budget)} available), {24 // picked} micro-steps per step")
+                                  f"{memory.size(budget)} available)")
     assert [int(line.split()[2]) for line in logged] == [8, 4, 4, 8]  # 8: the step's 24 sequences' largest power of two
     assert logged[-1] == ("micro-batch auto: 8 (the largest up to 64 that divides the step: the host's available "
-                          "memory cannot be read), 3 micro-steps per step")
-    assert memory.resolve_micro_batch(train_gpt2.parse_args(["-B", "5"]), cfg.model, "cpu", 1, torch.float32, False,
+                          "memory cannot be read)")
+    assert memory.resolve_micro_batch(train_gpt2.parse_args(["-B", "5"]), ON_A_CPU, cfg.model, "cpu", 1,
                                       logged.append) == 5
 
 
 def test_unfit_advice_names_what_would_fit_or_that_nothing_does():
     """Each lever it names fits where the run does not, or lowers a plan that fits by a tenth; on
     a CPU no FSDP (more processes on one host share its memory)."""
-    cfg = train_gpt2.parse_args(["--loss", "masked"])  # --loss auto as the trainer resolves it on a CPU
+    cfg = train_gpt2.parse_args([])
     full = replace(cfg, scale=replace(cfg.scale, recompute="full"))
-    now, recomputed = (memory.run_plan(c, 1, 1, 4, False).total for c in (cfg, full))
+    now, recomputed = (memory.run_plan(c, 1, 1, ON_A_CPU).total for c in (cfg, full))
     between = (now + recomputed) / 2 / memory.HOST_HEADROOM
-    assert memory.unfit_advice(cfg, 1, between, 4, False, device="cpu").endswith(
+    assert memory.unfit_advice(cfg, 1, between, ON_A_CPU, device="cpu").endswith(
         f"over 80% of {memory.size(between)} available: --recompute full plans {memory.size(recomputed)}")
-    assert memory.unfit_advice(cfg, 1, recomputed / 2, 4, False, device="cpu").endswith(
+    assert memory.unfit_advice(cfg, 1, recomputed / 2, ON_A_CPU, device="cpu").endswith(
         f"over 80% of {memory.size(recomputed / 2)} available, and so is --recompute full's {memory.size(recomputed)}: "
         f"nothing fits this host")
     # A plan that fits, where --recompute full saves less than a tenth: the weights and AdamW are most of it.
-    short = train_gpt2.parse_args(["-T", "8", "--loss", "masked"])
-    assert memory.unfit_advice(short, 1, 64 * memory.GiB, 4, False, device="cpu").endswith(
+    short = train_gpt2.parse_args(["-T", "8"])
+    assert memory.unfit_advice(short, 1, 64 * memory.GiB, ON_A_CPU, device="cpu").endswith(
         "within 80% of 64.0 GiB available, so memory the plan does not count ran out (another process's?): no setting "
         "the plan knows lowers it by a tenth")
 
@@ -333,9 +334,9 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     """The trainer on a CPU, a tiny model standing in for GPT-2 and a faked available memory: at a
     step of 64 sequences -B auto takes 16, the largest whose plan fits; with less memory than one
     sequence plans, it stops in one line before training, leaving no log_dir."""
-    cfg = train_gpt2.parse_args([*TINY, "--total_batch_size", "2048", "--loss", "masked"])  # auto's loss on a CPU
+    cfg = train_gpt2.parse_args([*TINY, "--total_batch_size", "2048"])
     weights = 4 * memory.n_params(cfg.model)
-    sixteen, thirty_two = (memory.run_plan(cfg, batch, 1, 4, False).total for batch in (16, 32))
+    sixteen, thirty_two = (memory.run_plan(cfg, batch, 1, ON_A_CPU).total for batch in (16, 32))
     monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
     train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
@@ -360,15 +361,15 @@ def test_a_config_file_takes_auto_or_a_number_for_the_micro_batch(tmp_path, caps
 
 
 def test_auto_on_a_gpu_fits_its_free_memory_or_says_it_cannot_read_it(monkeypatch):
-    cfg, logged = on_a_gpu(train_gpt2.parse_args([])), []
+    cfg, logged = train_gpt2.parse_args([]), []
     for free in (24 * memory.GiB, None):
         monkeypatch.setattr(memory, "free_memory", lambda device, model=None: free)
-        picked = memory.resolve_micro_batch(cfg, cfg.model, "cuda:0", 1, torch.bfloat16, True, logged.append)
+        picked = memory.resolve_micro_batch(cfg, ON_A_GPU, cfg.model, "cuda:0", 1, logged.append)
         assert picked == (32 if free else 64)
-    expected = memory.run_plan(cfg, 32, 1, 2, True).total / memory.GiB
-    assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} GiB of 24.0 GiB free), 16 micro-steps per step",
+    expected = memory.run_plan(cfg, 32, 1, ON_A_GPU).total / memory.GiB
+    assert logged == [f"micro-batch auto: 32 (plan {expected:.1f} GiB of 24.0 GiB free)",
                       "micro-batch auto: 64 (the largest up to 64 that divides the step: the GPU's free memory cannot "
-                      "be read), 8 micro-steps per step"]
+                      "be read)"]
 
 
 @pytest.mark.parametrize("lever, loss, tolerance", [(None, "masked", 0.10), ("+fused_loss", "fused", 0.05)])
@@ -377,5 +378,5 @@ def test_the_plan_is_within_its_tolerance_of_the_peaks_measured_on_a_gpu(lever, 
     (bench/results/h200-2026-11-27/levers.json), the masked loss's the one the plan is fitted to."""
     with open(os.path.join(REPO, "bench", "results", "h200-2026-11-27", "levers.json")) as f:
         [measured] = [r["peak_mem_bytes"] for r in json.load(f)["results"] if r.get("lever") == lever]
-    estimate = memory.plan(GPTConfig(vocab_size=50304), 64, 1024, ScaleConfig(loss=loss), compiled=True)
+    estimate = memory.plan(GPTConfig(vocab_size=50304), 64, 1024, compute=memory.Compute(2, True, loss))
     assert estimate.total == pytest.approx(measured, rel=tolerance)

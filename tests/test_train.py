@@ -26,7 +26,7 @@ from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch
                      write_jsonl, write_token_shards)
 from model import GPT, GPTConfig
 from optimizers import OptimizerConfig, build_optimizer
-from trainable import StepConfig, Trainable, build_trainable
+from step import StepConfig, Trainable, build_trainable, train_step
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
@@ -279,7 +279,7 @@ def test_ddp_gradients_stay_in_its_buckets_across_steps(shards):
         where = []  # the gradient's storage after each micro-step's accumulation
         raw_model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: where.append(p.grad.data_ptr()))
         for step in range(2):
-            assert not train_gpt2.train_step(t, loader, 1e-3).skipped
+            assert not train_step(t, loader, 1e-3).skipped
     finally:  # DDP's reducer freed before the group, as the trainer does: freed after, it can hang joining gloo's threads
         model = t = None
         distributed.leave()
@@ -619,7 +619,7 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
         optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3, grad_clip=grad_clip), "cpu")
         t = Trainable(model, model, optimizer, scaler, "cpu",
                                  StepConfig(torch.float32, 2 * 32, optimizer=OptimizerConfig(grad_clip=grad_clip)))
-        result = train_gpt2.train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
+        result = train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -647,6 +647,19 @@ def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
                     "--max_bad_steps", "2", "--fault", "nan@1", "--fault", "nan@3")
     assert [(r["step"], r["bad_steps"]) for r in records if r.get("skipped_step")] == [(1, 1), (3, 1)]
     assert [r["step"] for r in train_records(records)] == [0, 2, 4]
+
+
+def test_a_checkpoint_records_the_flags_as_asked_not_as_this_machine_settled_them(shards, tmp_path, capsys):
+    """--loss auto (masked on a CPU), -B auto (8: the step's sequences), a --val_steps past what the
+    val shards hold and samples of a vocabulary that is not GPT-2's are settled for this run, which
+    says so; its checkpoint's flags keep what was asked, for a resume elsewhere to settle again."""
+    train(shards, tmp_path, "--total_batch_size", "256", "--max_steps", "1", "--loss", "auto", "-B", "auto",
+          "--eval_interval", "1", "--val_steps", "1000", "--sample_interval", "1")
+    out = capsys.readouterr().out
+    assert "micro-batch auto: 8 (" in out and "fewer than --val_steps 1000: using 15" in out and "no samples" in out
+    flags = checkpoint.recorded_flags(load_checkpoint(str(tmp_path / "ckpt_000001.pt")))
+    assert (flags["loss"], flags["micro_batch_size"], flags["val_steps"], flags["sample_interval"]) == \
+        ("auto", "auto", 1000, 1)
 
 
 def test_seed_sets_the_order_of_later_epochs(shards, tmp_path):
@@ -714,13 +727,13 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     """The loop's clock stops when train_step returns: the device must have run the optimizer
     step by then, or tokens/s and MFU would describe only the queueing of the work."""
     events = []
-    monkeypatch.setattr(train_gpt2, "synchronize", lambda device: events.append(("synchronize", device)))
+    monkeypatch.setattr("step.synchronize", lambda device: events.append(("synchronize", device)))
     model = GPT(GPTConfig(**TINY_CONFIG))
     optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))
     t = Trainable(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), "cpu",
                              StepConfig(torch.float32, 2 * 2 * 32))
-    train_gpt2.train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
+    train_step(t, ShardLoader(list_shards(shards, "train"), 2, 32), 1e-3)
     assert events == [("optimizer step",), ("synchronize", "cpu")]
 
 
@@ -735,11 +748,11 @@ def test_a_stop_request_drops_the_step_in_flight_and_rewinds_the_loader(shards):
     dropped, plain = trainable(), trainable()
     loaders = [ShardLoader(list_shards(shards, "train"), 2, 32) for _ in range(2)]
     asked = iter([False, False, True])
-    assert train_gpt2.train_step(dropped, loaders[0], 1e-3, lambda oom: [next(asked), oom]) is None
+    assert train_step(dropped, loaders[0], 1e-3, lambda oom: [next(asked), oom]) is None
     assert loaders[0].state_dict() == loaders[1].state_dict()
     assert not dropped.optimizer.state and all(torch.equal(a, b) for a, b in
                                                zip(dropped.step_model.parameters(), plain.step_model.parameters()))
-    results = [train_gpt2.train_step(t, loader, 1e-3) for t, loader in zip((dropped, plain), loaders)]
+    results = [train_step(t, loader, 1e-3) for t, loader in zip((dropped, plain), loaders)]
     assert results[0] == results[1]
 
 

@@ -1,0 +1,240 @@
+"""The training step: what it works on (Trainable: the GPT wrapped as the step runs it, DDP across
+ranks or FSDP2's shards, then torch.compile; its optimizer and its loss scaler), built once by
+build_trainable from a StepConfig; then one optimizer step, train_step: a forward-backward pass per
+micro-batch, the ranks' agreement on the loss, clipping and the optimizer's step. train_gpt2.py's
+loop and bench.py's timings run this same step."""
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import devices
+import distributed
+import sharding
+from devices import autocast, synchronize
+from distributed import RunError
+from loss import pick_loss
+from model import GPT
+from optimizers import OptimizerConfig, build_optimizer, set_lr
+from train_config import ScaleConfig
+
+# ----------------------------------------------------------------------------- what the step works on
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How build_trainable builds a Trainable and how its steps run: the run's optimizer and
+    scale settings, and what its flags settle to on one device (the loss's kind, the dtype, compiled
+    or not), nothing auto left."""
+    dtype: torch.dtype  # autocast's; float32 is none
+    tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
+    optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
+    scale: ScaleConfig = ScaleConfig()  # FSDP (recompute is the model's own)
+    loss_kind: str = "masked"  # how the loss is computed: one of loss.LOSSES
+    compile_mode: str | None = None  # None: eager
+
+    @classmethod
+    def settle(cls, cfg, device, log):
+        """The StepConfig of the run of cfg (a TrainConfig) on device, its autos settled there: the
+        loss's kind (loss.pick_loss; a RunError for one that cannot run there), the autocast dtype
+        and whether it compiles (their notes to log)."""
+        device_type, runtime = device.split(":")[0], cfg.runtime
+        try:
+            loss_kind = pick_loss(runtime.loss_kind, device_type)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        compile_mode = runtime.compile_mode if devices.resolve_compile(runtime.compile, device_type, log) else None
+        return cls(devices.pick_dtype(runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
+                   cfg.scale, loss_kind, compile_mode)
+
+
+@dataclass
+class Trainable:
+    """What a training step works on, built once by build_trainable (bench.py times the same)."""
+    step_model: torch.nn.Module  # the GPT as the step runs it: DDP-wrapped and/or compiled, or raw_model itself
+    raw_model: GPT  # the plain GPT underneath, sharing the weights: checkpoints, HellaSwag, samples
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op in other dtypes
+    device: str
+    step_config: StepConfig  # what it was built with: the dtype, step size, clipping and loss its steps use
+
+    def loss_options(self):
+        """The training forward's keywords that pick how the loss is computed (StepConfig.loss_kind)."""
+        return dict(loss_kind=self.step_config.loss_kind)
+
+    def ddp(self):
+        """The DDP wrapper the forward runs through (under torch.compile's), or None."""
+        model = getattr(self.step_model, "_orig_mod", self.step_model)
+        return model if isinstance(model, DDP) else None
+
+    def forward_context(self):
+        """Autocast, for one forward pass (and the backward it records)."""
+        return autocast(self.device.split(":")[0], self.step_config.dtype)
+
+
+def build_trainable(raw_model, device, config, init=None):
+    """The Trainable of a GPT, as config (a StepConfig) says: on device, DDP-wrapped across ranks,
+    then compiled in config.compile_mode; compiling the DDP wrapper, not the model inside it, lets
+    dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket overlaps the backward of
+    the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
+    device when init is its recorded initialisation. Then config.optimizer over the parameters or
+    their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
+    own (train_gpt2.build_model). config is settled for device (StepConfig.settle): nothing auto."""
+    dtype = config.dtype
+    if config.scale.fsdp:
+        model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
+        if init is not None:
+            sharding.materialize(raw_model, init, device)
+    else:
+        model = raw_model
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
+            model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
+                        gradient_as_bucket_view=True)
+        if config.compile_mode is not None:
+            model = devices.compiled(model, config.compile_mode)
+    optimizer = build_optimizer(raw_model, config.optimizer, device.split(":")[0])
+    # Under FSDP a rank's slice may hold an overflow that the others lack: the sharded scaler agrees on it.
+    scaler = (ShardedGradScaler if config.scale.fsdp else torch.amp.GradScaler)(device.split(":")[0],
+                                                                         enabled=dtype == torch.float16)
+    return Trainable(model, raw_model, optimizer, scaler, device, config)
+
+
+# ----------------------------------------------------------------------------- the step
+
+def to_device(batch, device):
+    # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
+    return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the mean over micro-steps and ranks
+    grad_norm: float  # before clipping
+    lr: float  # the schedule's; each param group steps at a multiple of it
+    skipped: bool  # a non-finite loss or gradient: the weights did not change
+
+
+class StepOutOfMemory(Exception):
+    """A training step that ran out of memory on some rank: every rank dropped its partial work."""
+
+
+def no_stop(*flags):
+    """train_step's stop_requested where no signal stops a step: [False, then whether each of flags
+    is true on any rank]."""
+    return distributed.any_rank(False, *flags)
+
+
+def train_step(trainable, loader, lr, stop_requested=no_stop):
+    """One optimizer step of trainable.step_config.tokens_per_step tokens: a forward-backward pass per
+    micro-batch of the loader's, all-reduced (under DDP) only on the last; then the ranks agree on
+    the loss, the gradients are unscaled and clipped, and the optimizer steps at lr, unless the loss
+    or gradient is not finite. Returns once the device has finished, so the caller's clock times
+    the whole step. After each forward pass the ranks agree (stop_requested(out_of_memory) ->
+    [stop, out_of_memory], each true if on any rank): a stop returns None, an out-of-memory error
+    raises StepOutOfMemory, the weights and optimizer untouched and the loader and random state back
+    at the step's start (step_start). A stop never waits for a long step (torchrun SIGKILLs). A
+    gradient of norm exactly 0 at a finite loss, which no working configuration gives, is a
+    RunError on every rank before the step."""
+    ddp = trainable.ddp() is not None
+    # Under DDP the gradients are views into its all-reduce buckets: zeroed in place they stay
+    # so. Set to None, each step would allocate a second set and copy it into the buckets.
+    trainable.optimizer.zero_grad(set_to_none=not ddp)
+    loss_sum = torch.zeros((), device=trainable.device)
+    rewind = step_start(loader, trainable.device)
+    out_of_memory = False  # on this rank, in this micro-step's forward pass or an earlier backward pass
+    grad_accum_steps = loader.micro_steps(trainable.step_config.tokens_per_step)
+    for micro_step in range(grad_accum_steps):
+        x, y = (to_device(b, trainable.device) for b in loader.next_batch())
+        last = micro_step == grad_accum_steps - 1
+        try:
+            with trainable.step_model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
+                loss = trainable.step_model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            out_of_memory = True
+        # Agreed before the backward pass, whose all-reduce (under DDP, the last's) a rank out of memory would miss.
+        stop, out_of_memory = stop_requested(out_of_memory)
+        if stop or out_of_memory:
+            rewind()
+            if out_of_memory:
+                raise StepOutOfMemory
+            return None
+        loss = loss / grad_accum_steps  # a sum of micro-batch means would be grad_accum_steps too big
+        loss_sum += loss.detach()
+        try:
+            trainable.scaler.scale(loss).backward()
+        except RuntimeError as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            out_of_memory = True
+    if distributed.any_rank(out_of_memory)[0]:  # in the last backward pass
+        rewind()
+        raise StepOutOfMemory
+    return optimizer_step(trainable, loss_sum, lr)
+
+
+def step_start(loader, device):
+    """A function that puts back what a dropped step has moved on: the loader's position and the
+    random state that draws dropout's masks (the CPU generator's, and on a GPU its own). The step,
+    run again here or from the checkpoint a stop writes, then draws the masks it would have."""
+    position, cpu = loader.state_dict(), torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
+
+    def rewind():
+        loader.load_state_dict(position)
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+    return rewind
+
+
+def optimizer_step(trainable, loss_sum, lr):
+    """train_step's end, once the micro-steps' gradients are in: the ranks agree on the loss, the
+    gradients are unscaled and clipped, and the optimizer steps at lr, unless the loss or gradient
+    is not finite; a gradient of norm exactly 0 at a finite loss is a RunError."""
+    # One all-reduce and one wait for the device: every rank gets the same loss (non-finite if any
+    # rank's was) and norm (of gradients already all-reduced), so all decide alike.
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    trainable.scaler.unscale_(trainable.optimizer)
+    norm = sharding.clip_grad_norm(trainable.raw_model.parameters(), trainable.step_config.optimizer.grad_clip)
+    loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
+    loss = loss_sum / distributed.world_size()
+    if norm == 0 and math.isfinite(loss):  # no correct configuration gives an exact 0: refused before it steps
+        raise RunError(f"no parameter received a gradient (the gradient norm is exactly 0 at loss {loss:.4f}) under "
+                       f"--loss {trainable.step_config.loss_kind}: this configuration trains nothing")
+    # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
+    skipped = not (math.isfinite(loss) and (math.isfinite(norm) or trainable.scaler.is_enabled()))
+    if not skipped:
+        set_lr(trainable.optimizer, lr)
+        trainable.scaler.step(trainable.optimizer)
+    trainable.scaler.update()  # after every unscale_, or the next step's unscale_ raises
+    synchronize(trainable.device)
+    return StepResult(loss, norm, lr, skipped)
+
+
+def train_step_fitting(trainable, loader, lr, stop_requested=no_stop, halve=True, log=lambda line: None):
+    """train_step's result. With halve, each time the step runs out of memory it runs again at half
+    the micro-batch and twice the micro-steps: the same tokens (ShardLoader.resize), the same
+    optimizer step, and a line to log. StepOutOfMemory where it cannot: without halve, or at one
+    sequence."""
+    while True:
+        try:
+            return train_step(trainable, loader, lr, stop_requested)
+        except StepOutOfMemory:
+            if not halve or loader.B == 1:
+                raise
+        ddp = trainable.ddp()
+        if ddp is not None:  # its last forward readied an all-reduce no backward will start
+            ddp.reducer._reset_state()
+        batch = loader.B
+        loader.resize(batch // 2)
+        if trainable.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
+        log(f"micro-batch {batch} -> {loader.B}, {loader.micro_steps(trainable.step_config.tokens_per_step)} "
+            f"micro-steps per step")
