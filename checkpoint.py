@@ -44,10 +44,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from atomic import atomic_open
-from cli import Parser, first_line
+from cli import Parser
 from dcp_reader import CheckpointError, UnreadableStorage, check_storage_files, dcp_load, read_metadata, refuse_link
 from distributed import RunError, agree, every_rank, host_group
-from inputs import PLAIN_TYPES, brief, structure_problem
+from inputs import PLAIN_TYPES, brief, first_line, structure_problem
 from model import GPT, GPTConfig
 from optimizers import OPTIMIZERS, OptimizerConfig, build_optimizer, optimizer_name, saved_parts, torch_optimizers
 

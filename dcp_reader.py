@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from cli import first_line
-from inputs import UnreadableFile, brief, open_regular
+from inputs import UnreadableFile, brief, first_line, open_regular
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 from checkpoint import (ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints,
                         non_finite_weights)
-from cli import first_line
 from dcp_reader import CheckpointError
 from devices import pick_device
+from inputs import first_line
 from memory import n_params
 from model import GPT, PRETRAINED
 from tokenizer import gpt2_vocab_problem

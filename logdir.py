@@ -12,9 +12,8 @@ import time
 
 import checkpoint
 from atomic import CannotClaim, atomic_open, claim_directory, file_kind
-from cli import first_line
 from distributed import RunError
-from inputs import parse_json
+from inputs import first_line, parse_json
 
 # Besides the checkpoints, what a run writes in log_dir: each, where it exists, must be what it is
 # named for, and never a link, which the run would write through.

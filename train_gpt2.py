@@ -30,11 +30,12 @@ import sharding
 import train_config
 from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
-from cli import first_line, print_error, tell_torchrun
+from cli import print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
 from devices import peak_flops, pick_dtype, synchronize
 from distributed import RunError, agree, on_every_rank
 from faults import Faults
+from inputs import first_line
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
 from model import ATTENTION_KERNELS, GPT
