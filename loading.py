@@ -16,8 +16,7 @@ from checkpoint import (ModelPart, is_sharded_checkpoint, load_checkpoint, load_
 from dcp_reader import CheckpointError
 from devices import pick_device
 from inputs import first_line
-from memory import n_params
-from model import GPT, PRETRAINED
+from model import GPT, PRETRAINED, n_params
 from tokenizer import gpt2_vocab_problem
 
 

@@ -23,7 +23,7 @@ from devices import auto_device_type, available_memory, device_memory, pick_dtyp
 from distributed import agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
-from model import GPTConfig
+from model import GPTConfig, n_params
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig, micro_steps
 
@@ -45,13 +45,6 @@ class Plan:
     def table(self):
         rows = [(name, getattr(self, name)) for name in ("weights", "gradients", "optimizer", "activations", "logits")]
         return "\n".join(f"  {name:<12} {size / GiB:8.2f} GiB" for name, size in rows + [("total", self.total)])
-
-
-def n_params(config):
-    """Parameters of a GPT of config: the head is tied to the token embedding."""
-    C, L = config.n_embd, config.n_layer
-    block = 12 * C * C + 13 * C  # qkv, projection and MLP matrices with their biases, two LayerNorms
-    return (config.vocab_size + config.block_size) * C + L * block + 2 * C
 
 
 def n_muon_params(config):

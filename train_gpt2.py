@@ -38,7 +38,7 @@ from faults import Faults
 from inputs import first_line
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
-from model import ATTENTION_KERNELS, GPT
+from model import ATTENTION_KERNELS, GPT, n_params
 from optimizers import current_muon_lr, describe, set_lr
 from tokenizer import gpt2_vocab_problem
 from train_config import TrainConfig, micro_steps, seq_len_problem
@@ -138,8 +138,8 @@ def build_model(cfg, device, log):
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
                    attention=ATTENTION_KERNELS[cfg.runtime.attention])
     init = None
-    if cfg.init_from == "scratch" and memory.n_params(cfg.model) >= SLOW_TO_BUILD:
-        log(f"building a GPT of {memory.n_params(cfg.model):,} parameters")
+    if cfg.init_from == "scratch" and n_params(cfg.model) >= SLOW_TO_BUILD:
+        log(f"building a GPT of {n_params(cfg.model):,} parameters")
     if cfg.init_from != "scratch":
         log(f"initialising from {cfg.init_from}")
         try:

@@ -21,7 +21,7 @@ from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same
                       final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
                       run_torchrun, said_errors, train, train_records, write_jsonl, write_token_shards)
 from data import write_shard
-from model import GPTConfig
+from model import GPTConfig, n_params
 from train_config import ScaleConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
@@ -726,7 +726,7 @@ def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_
     plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode, loss="masked"), dtype_bytes=4).total
                         for mode in ("none", "full"))
     assert recomputed < 0.9 * plan
-    assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {memory.n_params(config):,} "
+    assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {n_params(config):,} "
                        f"parameters plans {plan / 2**20:.1f} MiB per process at micro-batch 1, within 80% of 8.0 GiB "
                        f"available, so memory the plan does not count ran out (another process's?): --recompute full "
                        f"plans {recomputed / 2**20:.1f} MiB")
