@@ -11,8 +11,8 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import (ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints,
-                        non_finite_weights)
+from checkpoint import ModelPart, load_parts, model_of, non_finite_weights
+from checkpoint_files import is_sharded_checkpoint, load_checkpoint, named_checkpoints
 from dcp_reader import CheckpointError
 from devices import pick_device
 from inputs import first_line

@@ -29,7 +29,8 @@ import memory
 import sharding
 import train_config
 from atomic import remove_if_unused
-from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
+from checkpoint import CheckpointError, Checkpointer, training_parts
+from checkpoint_files import list_checkpoints
 from cli import print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
 from devices import peak_flops, pick_dtype, synchronize

@@ -14,7 +14,8 @@ import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from checkpoint import load_checkpoint, recorded_flags
+from checkpoint import recorded_flags
+from checkpoint_files import load_checkpoint
 from helpers import REPO, TINY, error_of, exit_message, interpreted, needs_triton, run_script, train
 from model import GPT, GPTConfig, RECOMPUTE, n_params
 from tokenizer import N_VOCAB

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import devices
 import distributed
 import hellaswag
 import loading
 import train_config
 import train_gpt2
-from checkpoint import load_checkpoint
+from checkpoint_files import load_checkpoint
 from data import ShardLoader, list_shards, write_shard
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run,
                      error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
@@ -193,7 +194,7 @@ def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards
                        "--resume", tmp_path / "ckpt_000002.pt")
     assert "holds checkpoints past step 2 (ckpt_000006.pt, ...)" in message and "mix two runs" in message
     assert read_log(tmp_path) == history
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
     branched = train(shards, tmp_path / "branch", *run, "--max_steps", "4", "--resume", tmp_path / "ckpt_000002.pt")
     assert [r["step"] for r in train_records(branched)] == [2, 3]
@@ -572,7 +573,7 @@ def test_checkpoints_with_wrapper_prefixes_still_load(shards, tmp_path):
 
 def assert_resumes(shards, log_dir, weights):
     """load_model and --resume both take the newest checkpoint in log_dir, whose model is weights."""
-    newest = checkpoint.list_checkpoints(str(log_dir))[-1]
+    newest = checkpoint_files.list_checkpoints(str(log_dir))[-1]
     loaded = loading.load_model(newest).state_dict()
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
     records = train(shards, log_dir, "--total_batch_size", "256", "-B", "8", "--max_steps", "3")
@@ -637,7 +638,7 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
 def test_keep_last_keeps_the_newest_checkpoints(shards, tmp_path):
     train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "8",
           "--checkpoint_interval", "2", "--keep_last", "2")
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000006.pt", "ckpt_000008.pt"]
     assert load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
 
@@ -668,7 +669,7 @@ def test_training_on_from_the_newest_checkpoint_by_path_in_its_own_log_dir(shard
     train(shards, tmp_path, *run, "--max_steps", "4")
     records = train(shards, tmp_path, *run, "--max_steps", "6", "--resume", tmp_path / "ckpt_000004.pt")
     assert [r["step"] for r in train_records(records)] == list(range(6))
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
 
 
@@ -813,7 +814,7 @@ def test_dropout_resumes_exactly_on_2_ranks_each_drawing_its_own_masks(shards, t
            *scale]
     full = run_torchrun("train_gpt2.py", *run, "--checkpoint_interval", "3", "--log_dir", tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    saved = checkpoint.list_checkpoints(str(tmp_path / "full"))[0]
+    saved = checkpoint_files.list_checkpoints(str(tmp_path / "full"))[0]
     resumed = run_torchrun("train_gpt2.py", *run, "--resume", saved, "--log_dir", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / name))] for name in ("full", "resumed")]
