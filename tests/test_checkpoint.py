@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import checkpoint_files
 import loading
+import optimizer_state
 import export_hf
 import hellaswag
 import sample
@@ -38,7 +39,7 @@ def as_sharded(one_file, directory):
     model = GPT(GPTConfig(**state["config"]))
     model.load_state_dict(state["model"])
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
-    checkpoint.load_optimizer_state(optimizer, state["optimizer"])
+    optimizer_state.load_optimizer_state(optimizer, state["optimizer"])
     save_sharded(directory, model, optimizer, {k: v for k, v in state.items() if k not in ("model", "optimizer")})
     return str(directory)
 
