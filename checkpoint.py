@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from checkpoint_files import (TRAIN_STATE, Unrestorable, check_no_later_checkpoints, checkpoint_path,
-                              checkpoint_step, find_resume, in_storage, is_sharded_checkpoint, latest_checkpoint,
-                              load_checkpoint, prune_checkpoints, restoring, save_checkpoint, save_error, save_one_file,
-                              save_sharded, saved_states, warn_unwritten)
+from checkpoint_files import (TRAIN_STATE, ShardedCheckpoint, Unrestorable, check_no_later_checkpoints,
+                              checkpoint_format, checkpoint_path, checkpoint_step, find_resume, latest_checkpoint,
+                              prune_checkpoints, restoring, save_checkpoint, save_error, save_one_file, save_sharded,
+                              warn_unwritten)
 from dcp_reader import CheckpointError, UnreadableStorage
 from distributed import RunError, agree, every_rank
 from inputs import brief, first_line
@@ -106,7 +106,7 @@ class Checkpointer:
                 return 0
             path, state = found
             try:
-                step = restore_parts(path, state, self.parts, self.log)
+                step = restore_parts(found, self.parts, self.log)
                 break
             except UnreadableStorage as e:
                 if resume != "auto":
@@ -348,33 +348,33 @@ def random_states_problem(states):
 # ----------------------------------------------------------------------------- restoring them
 
 
-def restore_parts(path, state, parts, log=print):
-    """Puts every part back as the checkpoint at path saved it (state: what load_checkpoint read of
-    it), from either format into a model sharded or not, once its record is found to fit this run
+def restore_parts(checkpoint, parts, log=print):
+    """Puts every part back as checkpoint (a Checkpoint, as load_checkpoint reads one) saved it,
+    from either format into a model sharded or not, once its record is found to fit this run
     (check_resumable); logs each part's note on it, and returns its step."""
-    step = check_resumable(path, state, parts, log)
-    for note in load_parts(path, state, parts):
-        log(f"note: {path} {note}")
+    step = check_resumable(checkpoint, parts, log)
+    for note in load_parts(checkpoint, parts):
+        log(f"note: {checkpoint.path} {note}")
     return step
 
 
-def load_parts(path, state, parts):
-    """Loads each of parts from the checkpoint at path (state: what load_checkpoint read of it), each
-    failure one CheckpointError naming the file and the part; returns the parts' notes on it."""
+def load_parts(checkpoint, parts):
+    """Loads each of parts from checkpoint (a Checkpoint), each failure one CheckpointError naming
+    the file and the part; returns the parts' notes on it."""
     notes = []
-    for name, load, saved in saved_states(path, state, parts):
-        with restoring(path, name):
+    for name, load, saved in checkpoint.saved_states(parts):
+        with restoring(checkpoint.path, name):
             notes.append(load(saved))
     return [note for note in notes if note]
 
 
-def check_resumable(path, state, parts, log):
-    """The step of the checkpoint at path, once its record is found to fit this run's parts before
-    any is read: a state for each part (a sharded one's tensors are in its storage files), a step,
-    the model's architecture and the optimizer's kind. The model's dropout is this run's: a
-    checkpoint trained at another is resumed at this one, with a note to log."""
-    sharded = is_sharded_checkpoint(path)
-    missing = [key for key in (*parts, "step") if key not in state and not (sharded and key in in_storage(parts))]
+def check_resumable(checkpoint, parts, log):
+    """The step of checkpoint (a Checkpoint), once its record is found to fit this run's parts
+    before any is read: a state for each part (a sharded one's tensors are in its storage files),
+    a step, the model's architecture and the optimizer's kind. The model's dropout is this run's:
+    a checkpoint trained at another is resumed at this one, with a note to log."""
+    path, state = checkpoint
+    missing = [key for key in (*parts, "step") if not checkpoint.holds(key, parts)]
     if missing:
         raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
     config = asdict(parts["model"].raw_model.config)
@@ -469,20 +469,21 @@ def main(argv=None):
     parser.add_argument("out", help="the .pt file to write")
     parser.add_argument("--force", action="store_true", help="replace out if it exists")
     args = parser.parse_args(argv)
-    if not is_sharded_checkpoint(args.sharded):
+    if checkpoint_format(args.sharded) is not ShardedCheckpoint:
         parser.fail(f"{args.sharded}: not a sharded checkpoint (no {TRAIN_STATE})")
     parser.check_output("out", args.out)
     if os.path.lexists(args.out) and not args.force:
         parser.refuse_to_replace(args.out, "exists")
     try:
-        state = load_checkpoint(args.sharded)
+        checkpoint = ShardedCheckpoint.load(args.sharded)
+        state = checkpoint.state
         model = model_of(args.sharded, state["config"])
         # The groups' values come from the checkpoint, but for Muon's lr_scale: the run's own.
         lr, muon_lr = (recorded_flag(args.sharded, state, name, 1.0, is_rate) for name in ("max_lr", "muon_lr"))
         optimizer = build_optimizer(model, OptimizerConfig(saved_optimizer_name(args.sharded, state), lr, 0.0,
                                                            fused_adamw=False, muon_lr=muon_lr), "cpu")
         parts = {"model": ModelPart(model), "optimizer": OptimizerPart(model, optimizer)}
-        load_parts(args.sharded, state, parts)
+        load_parts(checkpoint, parts)
     except CheckpointError as e:
         parser.fail(str(e))
     state.update({name: part.state_dict() for name, part in parts.items()})

@@ -1,6 +1,7 @@
 """Checkpoints as files: where they are in a log_dir, and the two formats they come in, written
 atomically, read as plain data, never by running pickled code. The formats differ only in the
-writer (save_one_file, save_sharded) and the reader (saved_states):
+writer (save_one_file, save_sharded) and the reader (OneFileCheckpoint, ShardedCheckpoint), and
+which one a path holds is asked in one place (checkpoint_format):
 - ckpt_{step:06d}.pt, one file that torch.save writes (rank 0 alone, under DDP or one process);
 - ckpt_{step:06d}/, a torch.distributed.checkpoint (DCP) directory into whose storage files
   every rank writes its own slices of the parts that hold tensors there, the model and the
@@ -109,32 +110,32 @@ def is_torch_file(path):
 
 
 def find_resume(resume, log_dir):
-    """(path, state) to resume from, or None to start fresh: resume is "none", "auto" (the newest
+    """The Checkpoint to resume from, or None to start fresh: resume is "none", "auto" (the newest
     checkpoint in log_dir that loads) or a checkpoint's path."""
     if resume == "none":
         return None
     if resume == "auto":
         return latest_checkpoint(log_dir)
-    return resume, load_checkpoint(resume)
+    return load_checkpoint(resume)
 
 
 def latest_checkpoint(log_dir, map_location="cpu", before=None):
-    """(path, state) of the newest checkpoint in log_dir (of a step before `before`, if given) that
-    loads, or None if nothing there is named as one. A damaged newer one (a bad disk, a hand edit,
-    a copy cut short) is skipped with a warning; if every one is damaged, CheckpointError: starting
-    again from step 0 would overwrite the run they hold."""
+    """The newest checkpoint in log_dir (of a step before `before`, if given) that loads, as a
+    Checkpoint, or None if nothing there is named as one. A damaged newer one (a bad disk, a
+    hand edit, a copy cut short) is skipped with a warning; if every one is damaged,
+    CheckpointError: starting again from step 0 would overwrite the run they hold."""
     every = named_checkpoints(log_dir)
     paths = [p for p in every if before is None or checkpoint_step(p) < before]
     problems = []
     for path in reversed(paths):
         try:
-            state = load_checkpoint(path, map_location)
+            checkpoint = load_checkpoint(path, map_location)
         except CheckpointError as e:
             problems.append(e)
             continue
         for problem in problems:
             print(f"warning: skipping {problem}", file=sys.stderr)
-        return path, state
+        return checkpoint
     if every:
         names = ", ".join(os.path.basename(p) for p in every)
         raise CheckpointError(f"no checkpoint in {log_dir} can be read ({names}): repair them, or start over with "
@@ -179,18 +180,75 @@ def remove_entry(path):
         os.remove(path)
 
 
-# ----------------------------------------------------------------------------- reading them: a run's parts from either format
+# ----------------------------------------------------------------------------- reading them
 
 def load_checkpoint(path, map_location="cpu"):
-    """Loads a checkpoint with weights_only=True: tensors and plain data only. A pickle that
-    would construct anything else, code included, is refused before any of it runs. Of a
-    sharded checkpoint, only train_state.pt: its tensors are read into the parts that hold them
-    by load_parts."""
-    if is_sharded_checkpoint(path):
+    """The checkpoint at path, in its format (checkpoint_format), loaded with weights_only=True:
+    tensors and plain data only. A pickle that would construct anything else, code included, is
+    refused before any of it runs. Of a sharded checkpoint, only train_state.pt: its tensors are
+    read into the parts that hold them (saved_states). What is neither format is read as one
+    file, whose reader says what it is not."""
+    return (checkpoint_format(path) or OneFileCheckpoint).load(path, map_location)
+
+
+def checkpoint_format(path):
+    """The format of the checkpoint at path by its layout, nothing read: ShardedCheckpoint for a
+    directory that holds train_state.pt (a link there is one, to be refused), OneFileCheckpoint
+    for a file, None for anything else. The one place that asks which."""
+    if os.path.isdir(path) and os.path.lexists(os.path.join(path, TRAIN_STATE)):
+        return ShardedCheckpoint
+    return OneFileCheckpoint if os.path.isfile(path) else None
+
+
+class Checkpoint(NamedTuple):
+    """A checkpoint as load_checkpoint read it: its path, and its state, the record and the parts'
+    states that it holds as plain data. Its format's class reads a run's parts from it."""
+    path: str
+    state: dict
+
+
+class OneFileCheckpoint(Checkpoint):
+    """ckpt_{step:06d}.pt: every part's state and the record in one file that torch.save writes."""
+    __slots__ = ()
+
+    @classmethod
+    def load(cls, path, map_location="cpu"):
+        return cls(path, _load_plain(path, map_location))
+
+    def holds(self, key, parts):
+        """Whether it holds key: a field of the record, or the state of one of parts."""
+        return key in self.state
+
+    def saved_states(self, parts):
+        """(name, load, saved) for each of parts: the part's load and what the checkpoint holds of it."""
+        return [(name, part.load_state_dict, self.state[name]) for name, part in parts.items()]
+
+
+class ShardedCheckpoint(Checkpoint):
+    """ckpt_{step:06d}/: the tensors of the parts in_storage in DCP's storage files, each rank's
+    slices apart; the other parts' states and the record in train_state.pt, its state."""
+    __slots__ = ()
+
+    @classmethod
+    def load(cls, path, map_location="cpu"):
         check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
         refuse_link(os.path.join(path, TRAIN_STATE))
-        return _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",))
-    return _load_plain(path, map_location)
+        return cls(path, _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",)))
+
+    def holds(self, key, parts):
+        """Whether it holds key: a field of the record, or the state of one of parts."""
+        return key in self.state or key in in_storage(parts)
+
+    def saved_states(self, parts):
+        """(name, load, saved) for each of parts: the part's load and what the checkpoint holds of
+        it. The tensors of the parts in_storage are read first, in DCP's form, from its storage
+        files: each rank reads only the pieces of its slices, on any number of ranks or in one
+        process."""
+        tensors = {name: parts[name].dcp_state_dict() for name in in_storage(parts)}
+        with restoring(self.path, " and ".join(tensors)):
+            dcp_load(tensors, self.path)
+        return [(name, part.load_dcp_state_dict, tensors[name]) if name in tensors else
+                (name, part.load_state_dict, self.state[name]) for name, part in parts.items()]
 
 
 def _load_plain(path, map_location, require=("model", "config")):
@@ -251,27 +309,9 @@ def plain_state_dict(state_dict):
     return {strip(k): v for k, v in state_dict.items()}
 
 
-def is_sharded_checkpoint(path):
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, TRAIN_STATE))  # a link is one, to be refused
-
-
 def in_storage(parts):
     """The names of the parts whose tensors a sharded checkpoint holds in DCP's storage files."""
     return [name for name, part in parts.items() if hasattr(part, "dcp_state_dict")]
-
-
-def saved_states(path, state, parts):
-    """(name, load, saved) for each of parts: the part's load and what the checkpoint at path holds
-    of it (state: what load_checkpoint read of it). Of a sharded checkpoint, the tensors of the
-    parts in_storage are read first, in DCP's form, from its storage files: each rank reads only
-    the pieces of its slices, on any number of ranks or in one process."""
-    if not is_sharded_checkpoint(path):
-        return [(name, part.load_state_dict, state[name]) for name, part in parts.items()]
-    tensors = {name: parts[name].dcp_state_dict() for name in in_storage(parts)}
-    with restoring(path, " and ".join(tensors)):
-        dcp_load(tensors, path)
-    return [(name, part.load_dcp_state_dict, tensors[name]) if name in tensors else
-            (name, part.load_state_dict, state[name]) for name, part in parts.items()]
 
 
 class Unrestorable(Exception):

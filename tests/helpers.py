@@ -217,7 +217,7 @@ def train_records(records):
 def final_weights(log_dir, step):
     from checkpoint_files import load_checkpoint
 
-    return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt"))["model"]
+    return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt")).state["model"]
 
 
 def assert_same_run(a, b, rel=1e-5):

@@ -35,7 +35,7 @@ def save_sharded(path, model, optimizer, rest):
 
 def as_sharded(one_file, directory):
     """A one-file checkpoint of train_gpt2.py rewritten as the sharded kind (what --fsdp 1 writes)."""
-    state = checkpoint_files.load_checkpoint(str(one_file))
+    state = checkpoint_files.load_checkpoint(str(one_file)).state
     model = GPT(GPTConfig(**state["config"]))
     model.load_state_dict(state["model"])
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
@@ -184,7 +184,7 @@ def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_li
     assert_every_reader_refuses(ckpt, tmp_path, capsys,
                                 "refused: its entry model.transformer.wte.weight has shape (256, 64), not this model's "
                                 "(256, 32) (another model size)")
-    state = checkpoint_files.load_checkpoint(str(copy / "ckpt_000002"))
+    state = checkpoint_files.load_checkpoint(str(copy / "ckpt_000002")).state
     torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint_files.TRAIN_STATE)
     assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
 
@@ -192,7 +192,7 @@ def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_li
 def with_dropout(ckpt, dropout):
     """ckpt (sharded) with its config's "dropout" set, or removed (None): checkpoints written while
     GPTConfig had no dropout hold none, or an unused 0.0."""
-    state = checkpoint_files.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     config = {k: v for k, v in state["config"].items() if k != "dropout"}
     torch.save({**state, "config": config if dropout is None else {**config, "dropout": dropout}},
                ckpt / checkpoint_files.TRAIN_STATE)
@@ -292,7 +292,7 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
 def with_nest(ckpt, field, out):
     """ckpt's contents (either kind) with nested_list(60) as a value of field ("config", "flags", or
     "args": the flags as checkpoints named them before), written as the same kind at out; returns out."""
-    state = checkpoint_files.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     if field == "args":
         state["args"] = state.pop("flags")
     state[field] = {**state[field], "n_layer": nested_list(60)}
@@ -394,7 +394,7 @@ def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_l
     part = checkpoint.OptimizerPart(model, resumed)
     if sharded:
         save_sharded(tmp_path / "ckpt", model, saved, {})
-        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     else:
         part.load_state_dict(saved.state_dict())
     adamw = torch_optimizers(resumed)[0]
@@ -552,7 +552,7 @@ def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_
     assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
     save_sharded(tmp_path / "ckpt", model, saved, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     expected = (f"{tmp_path / 'ckpt'}: refused: its entry optimizer.state.{name}.{key} {sharded}; nothing was read"
                 if sharded else f"{tmp_path / 'ckpt'}: its optimizer cannot be restored (the state of {name}: {one_file})")
     assert str(e.value) == expected
@@ -616,7 +616,7 @@ def test_a_piece_placed_in_another_pieces_bytes_is_refused_by_every_reader_and_b
 def edited_state(ckpt, edit, out):
     """ckpt's train_state.pt (sharded) or contents (one file) as edit(state) leaves them, written as
     the same kind at out; returns out."""
-    state = checkpoint_files.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     edit(state)
     if os.path.isdir(ckpt):
         shutil.copytree(ckpt, out)
@@ -670,7 +670,7 @@ def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_re
     else:
         save_sharded(path, saved, saved.configure_optimizers(0.1, 1e-3, "cpu"), {})
         with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.load_parts(str(path), {}, {"model": part})
+            checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(path), {}), {"model": part})
     assert str(e.value) == f"{path}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values" \
                            f"{where})"
 
@@ -706,11 +706,11 @@ def test_a_config_that_lacks_a_field_names_it_in_every_reader_and_resume(copy, s
 
 
 def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_beside_them(copy, tmp_path):
-    flags = checkpoint.recorded_flags(checkpoint_files.load_checkpoint(str(copy / "ckpt_000004")))
+    flags = checkpoint.recorded_flags(checkpoint_files.load_checkpoint(str(copy / "ckpt_000004")).state)
     ckpt = edited_state(copy / "ckpt_000004", lambda state: state.update(args={**flags, "max_lr": 1.0}),
                         tmp_path / "both")
     checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
-    converted = checkpoint_files.load_checkpoint(str(tmp_path / "out.pt"))
+    converted = checkpoint_files.load_checkpoint(str(tmp_path / "out.pt")).state
     assert converted["flags"] == flags and "args" not in converted
 
 
@@ -721,4 +721,4 @@ def test_the_conversion_replaces_an_existing_file_only_with_force(copy, tmp_path
         f"checkpoint.py: error: {out} exists (use --force to replace it)"
     assert out.read_bytes() == b"a checkpoint of the user's"
     checkpoint.main([str(copy / "ckpt_000004"), str(out), "--force"])
-    assert checkpoint_files.load_checkpoint(str(out))["step"] == 4
+    assert checkpoint_files.load_checkpoint(str(out)).state["step"] == 4

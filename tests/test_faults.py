@@ -219,9 +219,9 @@ def test_nan_steps_are_skipped_without_touching_the_weights(shards, tmp_path):
     assert skipped == [3, 4]
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 5]
     # Steps 3 and 4 made no update: the weights after step 5 started from those at step 3.
-    at_3 = checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
+    at_3 = checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000003.pt")).state
     assert at_3["optimizer"]["state"][0]["step"].item() == 3
-    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000006.pt"))["optimizer"]["state"][0]["step"].item() == 4
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000006.pt")).state["optimizer"]["state"][0]["step"].item() == 4
 
 
 def test_a_nan_step_under_fp16_loss_scaling_is_skipped_and_training_goes_on(shards, tmp_path):
@@ -237,7 +237,7 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(shards, tmp_path):
     message = one_line_error(result)
     assert "3 steps in a row had a non-finite loss" in message
     for path in checkpoint_files.list_checkpoints(str(tmp_path)):
-        assert all(t.isfinite().all() for t in checkpoint_files.load_checkpoint(path)["model"].values())
+        assert all(t.isfinite().all() for t in checkpoint_files.load_checkpoint(path).state["model"].values())
 
 
 def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_path, monkeypatch, capsys):
@@ -254,7 +254,7 @@ def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_
     assert "skipping checkpoint" in capsys.readouterr().err
     assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == ["ckpt_000004.pt"]
     assert_each_step_logged_once(tmp_path, 8)
-    checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
+    checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt")).state
 
 
 def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
@@ -268,7 +268,7 @@ def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_pat
     train_gpt2.main(TINY + ["--data_dir", shards, "--log_dir", str(tmp_path), *RUN])
     err = capsys.readouterr().err
     assert "warning: could not rewrite" in err and "warning: could not append to" in err
-    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt")).state["step"] == 8
 
 
 def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
@@ -282,7 +282,7 @@ def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_files.torch, "save", half_written)
     assert checkpoint_files.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "config": {}}) is False
     assert listdir(tmp_path) == ["ckpt_000001.pt"]
-    assert torch.equal(checkpoint_files.load_checkpoint(path)["model"]["w"], torch.ones(3))
+    assert torch.equal(checkpoint_files.load_checkpoint(path).state["model"]["w"], torch.ones(3))
 
 
 @pytest.mark.parametrize("bad, problem", [
@@ -501,7 +501,7 @@ def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "could not write checkpoint" in result.stderr and "older checkpoints are kept" in result.stderr
     assert sorted(listdir(tmp_path)) == ["ckpt_000004.pt", "log.jsonl"]  # no temporary file left
-    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))["step"] == 4
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt")).state["step"] == 4
     assert_each_step_logged_once(tmp_path, 8)
 
 
@@ -548,7 +548,7 @@ def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_move
     [aside] = [name for name in listdir(tmp_path) if name.startswith("previous_")]
     assert sorted(listdir(tmp_path / aside)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
     assert (tmp_path / aside / "log.jsonl").read_bytes() == log_before
-    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8  # this run's own
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt")).state["step"] == 8  # this run's own
     assert_each_step_logged_once(tmp_path, 8)
 
 
@@ -645,7 +645,7 @@ def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_director
 def test_a_checkpoint_with_inconsistent_contents_is_one_line_naming_the_field(shards, tmp_path, capsys, field, value,
                                                                                expected):
     train(shards, tmp_path / "run", *RUN, "--max_steps", "4")
-    state = checkpoint_files.load_checkpoint(str(tmp_path / "run" / "ckpt_000004.pt"))
+    state = checkpoint_files.load_checkpoint(str(tmp_path / "run" / "ckpt_000004.pt")).state
     state[field] = value
     path = tmp_path / "edited.pt"
     torch.save(state, path)
@@ -703,7 +703,7 @@ def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, 
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
-    saved = checkpoint_files.load_checkpoint(tmp_path / "ckpt_000004.pt")
+    saved = checkpoint_files.load_checkpoint(tmp_path / "ckpt_000004.pt").state
     assert saved["train_loader"]["tokens_per_index"] == 4 * 32 and checkpoint.recorded_flags(saved)["micro_batch_size"] == "auto"
     train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--max_steps", "5")
     assert (f"note: {tmp_path / 'ckpt_000004.pt'} was saved by a run of micro-batches of 128 tokens over all ranks, "

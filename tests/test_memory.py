@@ -340,7 +340,7 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
     train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
-    saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))
+    saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt")).state
     assert saved["train_loader"]["tokens_per_index"] == 16 * 32  # the loader records the micro-batch it took
     assert recorded_flags(saved)["micro_batch_size"] == "auto"  # the flags, what was asked
     monkeypatch.setattr(memory, "available_memory", lambda: weights)
