@@ -1,13 +1,14 @@
 """A run's checkpoints: what a run saves, when, and how it resumes from them.
 
-A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer,
-the loss scaler, the train loader's position and every rank's random state. Each part saves and
-restores itself (state_dict, load_state_dict); a checkpoint holds each under its name, beside its
-record: the step, the config (GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How
-a checkpoint lies in files, one file or a sharded directory, and where in a log_dir, is
-checkpoint_files.py's; a run resumes through restore_parts, from either format, on any number of
-ranks. This file reads in that order: the Checkpointer that decides when a run saves, saves and
-restores; the parts; how a checkpoint restores them, once its record is found to fit the run.
+A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer
+(whose saved state optimizer_state.py loads and checks), the loss scaler, the train loader's
+position and every rank's random state. Each part saves and restores itself (state_dict,
+load_state_dict); a checkpoint holds each under its name, beside its record: the step, the config
+(GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a checkpoint lies in files,
+one file or a sharded directory, and where in a log_dir, is checkpoint_files.py's; a run resumes
+through restore_parts, from either format, on any number of ranks. This file reads in that
+order: the Checkpointer that decides when a run saves, saves and restores; the parts; how a
+checkpoint restores them, once its record is found to fit the run.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt   # a sharded checkpoint as one file
 """
@@ -346,7 +347,6 @@ def random_states_problem(states):
 
 
 # ----------------------------------------------------------------------------- restoring them
-
 
 def restore_parts(checkpoint, parts, log=print):
     """Puts every part back as checkpoint (a Checkpoint, as load_checkpoint reads one) saved it,

@@ -3,7 +3,8 @@ reader unpickles .metadata and "bytes" entries with pickle, which runs whatever 
 holds; here the metadata is unpickled with named classes only (MetadataUnpickler), every entry
 must be of the kind and shape this model holds before a byte of it is read (PlainDataPlanner),
 plain data is read with weights_only=True, and every piece must lie within a regular file of the
-directory (PlainDataReader). checkpoint.py reads every sharded checkpoint through dcp_load."""
+directory (PlainDataReader). checkpoint_files.py's ShardedCheckpoint reads every sharded checkpoint
+through dcp_load."""
 import io
 import os
 import pickle
