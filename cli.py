@@ -9,7 +9,7 @@ import time
 import tomllib
 
 from atomic import check_writable
-from inputs import UnreadableFile, brief, open_regular
+from inputs import UnreadableFile, brief, first_line, open_regular
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -186,11 +186,6 @@ def tell_torchrun(line):
             json.dump(stamped, f)
     except OSError:  # the line is on stderr all the same
         pass
-
-
-def first_line(error):
-    """An exception's message as one line (its type's name if it has none), for one-line errors."""
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def as_switch(action, value):

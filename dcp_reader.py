@@ -3,7 +3,8 @@ reader unpickles .metadata and "bytes" entries with pickle, which runs whatever 
 holds; here the metadata is unpickled with named classes only (MetadataUnpickler), every entry
 must be of the kind and shape this model holds before a byte of it is read (PlainDataPlanner),
 plain data is read with weights_only=True, and every piece must lie within a regular file of the
-directory (PlainDataReader). checkpoint.py reads every sharded checkpoint through dcp_load."""
+directory (PlainDataReader). checkpoint_files.py's ShardedCheckpoint reads every sharded checkpoint
+through dcp_load."""
 import io
 import os
 import pickle
@@ -21,8 +22,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from cli import first_line
-from inputs import UnreadableFile, brief, open_regular
+from inputs import UnreadableFile, brief, first_line, open_regular
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12

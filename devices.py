@@ -7,7 +7,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from cli import first_line
+from inputs import first_line
+
 
 def compiled(fn, mode):
     """torch.compile(fn) in mode, one of train_gpt2.py's --compile_mode values ("default": torch's own)."""

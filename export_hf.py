@@ -21,8 +21,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
-from cli import Parser, first_line
+from cli import Parser
 from dcp_reader import CheckpointError
+from inputs import first_line
 from loading import load_model_on
 from tokenizer import EOT, N_VOCAB, get_encoding
 

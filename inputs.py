@@ -1,5 +1,6 @@
 """Reading what a user names or is handed: regular files only, text of bounded lines, JSON and plain
-data nested within bounds, and values as text of bounded length for the one-line errors about them."""
+data nested within bounds, and values and exceptions as text of bounded length for the one-line errors
+about them."""
 import json
 import os
 import stat
@@ -17,6 +18,11 @@ def brief(value):
         return repr(value)
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def first_line(error):
+    """An exception's message as one line (its type's name if it has none), for one-line errors."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def parse_json(text):

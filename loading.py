@@ -11,13 +11,12 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import (ModelPart, is_sharded_checkpoint, load_checkpoint, load_parts, model_of, named_checkpoints,
-                        non_finite_weights)
-from cli import first_line
+from checkpoint import ModelPart, load_parts, model_of, non_finite_weights
+from checkpoint_files import ShardedCheckpoint, checkpoint_format, named_checkpoints
 from dcp_reader import CheckpointError
 from devices import pick_device
-from memory import n_params
-from model import GPT, PRETRAINED
+from inputs import first_line
+from model import GPT, PRETRAINED, n_params
 from tokenizer import gpt2_vocab_problem
 
 
@@ -44,14 +43,15 @@ def load_model(name_or_path, map_location="cpu", dropout=None, **options):
     how it runs, as GPT's (the trainer's recompute and attention)."""
     check_source(name_or_path)
     name_or_path = newest_in_log_dir(name_or_path)
-    if os.path.isfile(name_or_path) or is_sharded_checkpoint(name_or_path):
-        state = load_checkpoint(name_or_path, map_location)
-        model = model_of(name_or_path, state["config"], dropout, **options)
-        if is_sharded_checkpoint(name_or_path):
-            load_parts(name_or_path, state, {"model": ModelPart(model)})
+    kind = checkpoint_format(name_or_path)
+    if kind:
+        checkpoint = kind.load(name_or_path, map_location)
+        model = model_of(name_or_path, checkpoint.state["config"], dropout, **options)
+        if kind is ShardedCheckpoint:  # its weights are in its storage files, read as the trainer reads them
+            load_parts(checkpoint, {"model": ModelPart(model)})
         else:
             try:
-                model.load_state_dict(state["model"])
+                model.load_state_dict(checkpoint.state["model"])
             except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's
                 raise CheckpointError(f"{name_or_path}: not a checkpoint of this GPT ({first_line(e)})") from None
     else:
@@ -97,7 +97,7 @@ def check_source(name):
     -m/--model/--init_from before its downloads."""
     if os.path.exists(name):
         if os.path.isdir(name):
-            if not (is_sharded_checkpoint(name) or named_checkpoints(name)
+            if not (checkpoint_format(name) or named_checkpoints(name)
                     or os.path.exists(os.path.join(name, "config.json"))):
                 raise CheckpointError(f"{name}: a directory with neither checkpoints (ckpt_XXXXXX.pt, or "
                                       f"ckpt_XXXXXX/ sharded) nor a Hugging Face GPT-2 model (config.json) in it")
@@ -123,7 +123,7 @@ def is_hub_id(name):
 def newest_in_log_dir(path):
     """path, or the newest checkpoint in it if it is a directory that holds checkpoints (a run's
     log_dir), named on stderr."""
-    checkpoints = [] if not os.path.isdir(path) or is_sharded_checkpoint(path) else named_checkpoints(path)
+    checkpoints = [] if not os.path.isdir(path) or checkpoint_format(path) else named_checkpoints(path)
     if checkpoints:
         print(f"{path}: loading its newest checkpoint, {checkpoints[-1]}", file=sys.stderr)
         return checkpoints[-1]

@@ -10,11 +10,10 @@ import stat
 import sys
 import time
 
-import checkpoint
+import checkpoint_files
 from atomic import CannotClaim, atomic_open, claim_directory, file_kind
-from cli import first_line
 from distributed import RunError
-from inputs import parse_json
+from inputs import first_line, parse_json
 
 # Besides the checkpoints, what a run writes in log_dir: each, where it exists, must be what it is
 # named for, and never a link, which the run would write through.
@@ -50,7 +49,7 @@ def tidy_log_dir(log_dir, resume, log, enabled):
     if not enabled:
         return
     try:
-        checkpoint.remove_unfinished(log_dir)
+        checkpoint_files.remove_unfinished(log_dir)
         undo_killed_move(log_dir, log)
         if resume == "none":
             start_over(log_dir, log)
@@ -87,7 +86,7 @@ def start_over(log_dir, log):
     checkpoint saved after every one of the run moved aside (newest_saved): a run without a
     checkpoint never replaces one with. A log_dir so keeps the newest earlier run with a
     checkpoint, and at most one without, however often a run starts over there."""
-    names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint.CHECKPOINT_RE.fullmatch(name)]
+    names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint_files.CHECKPOINT_RE.fullmatch(name)]
     if not names:
         return
     newest = newest_saved(log_dir)
@@ -123,7 +122,7 @@ def newest_saved(directory):
     sharded one's .metadata's, which a rename never changes), or None if it holds none."""
     def saved(path):
         return os.lstat(os.path.join(path, ".metadata") if os.path.isdir(path) else path).st_mtime_ns
-    return max(((saved(path), path) for path in checkpoint.list_checkpoints(directory)), default=None)
+    return max(((saved(path), path) for path in checkpoint_files.list_checkpoints(directory)), default=None)
 
 
 def saved_after(found, other):
@@ -153,7 +152,7 @@ def check_run_files(log_dir):
         mode = os.lstat(path).st_mode
         if name in RUN_FILES and not RUN_FILES[name][1](mode):
             raise RunError(f"{path} is {file_kind(mode)}, not {RUN_FILES[name][0]}: move it out of --log_dir")
-        if checkpoint.CHECKPOINT_RE.fullmatch(name) and stat.S_ISLNK(mode):
+        if checkpoint_files.CHECKPOINT_RE.fullmatch(name) and stat.S_ISLNK(mode):
             raise RunError(f"{path} is a symbolic link, not a checkpoint the run may write over: move it out of "
                            f"--log_dir")
 
@@ -169,8 +168,8 @@ def check_nothing_passed_over(log_dir, init_from, log):
     if newest and saved_after(earlier, newest):
         raise RunError(f"{earlier[1]} was saved after {newest[1]}, the newest checkpoint in {log_dir}, which --resume "
                        f"auto would take (a start-over cut short?): name the one to resume with --resume PATH")
-    named = checkpoint.named_checkpoints(log_dir)
-    unnamed = [path for path in checkpoint.unnamed_checkpoints(log_dir) if not same_file(path, init_from)]
+    named = checkpoint_files.named_checkpoints(log_dir)
+    unnamed = [path for path in checkpoint_files.unnamed_checkpoints(log_dir) if not same_file(path, init_from)]
     if unnamed and not named:
         raise RunError(f"{unnamed[0]} is a checkpoint under a name that --resume auto does not take (ckpt_XXXXXX.pt, "
                        f"ckpt_XXXXXX/), and {log_dir} holds none that it does: resume it with --resume {unnamed[0]}, "

@@ -23,7 +23,7 @@ from devices import auto_device_type, available_memory, device_memory, pick_dtyp
 from distributed import agree, every_rank
 from cli import Parser, preset_names, preset_path, read_config
 from loss import CHUNK, LOSSES, pick_loss
-from model import GPTConfig
+from model import GPTConfig, n_params
 from tokenizer import N_VOCAB, PADDED_VOCAB
 from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
@@ -59,13 +59,6 @@ class Compute:
     def of(cls, step_config):
         """How the steps of a StepConfig (step.py) compute."""
         return cls(step_config.dtype.itemsize, step_config.compile_mode is not None, step_config.loss_kind)
-
-
-def n_params(config):
-    """Parameters of a GPT of config: the head is tied to the token embedding."""
-    C, L = config.n_embd, config.n_layer
-    block = 12 * C * C + 13 * C  # qkv, projection and MLP matrices with their biases, two LayerNorms
-    return (config.vocab_size + config.block_size) * C + L * block + 2 * C
 
 
 def n_muon_params(config):

@@ -43,6 +43,13 @@ class GPTConfig:
             raise ValueError(f"dropout must be a probability in [0, 1), not {self.dropout!r}")
 
 
+def n_params(config):
+    """Parameters of a GPT of config: the head is tied to the token embedding."""
+    C, L = config.n_embd, config.n_layer
+    block = 12 * C * C + 13 * C  # qkv, projection and MLP matrices with their biases, two LayerNorms
+    return (config.vocab_size + config.block_size) * C + L * block + 2 * C
+
+
 # OpenAI's four sizes, as Hugging Face names them.
 PRETRAINED = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M

@@ -112,7 +112,7 @@ class MuonAdamW:
         return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state_dict):
-        """Each child from its own entry (checkpoint.load_optimizer_state also keeps this run's
+        """Each child from its own entry (optimizer_state.load_optimizer_state also keeps this run's
         settings in every group)."""
         for name, part in self.parts.items():
             part.load_state_dict(state_dict[name])

@@ -11,8 +11,8 @@ import shutil
 
 import torch
 
-import memory
 from atomic import atomic_open
+from model import n_params
 
 # The categories, from the names of the operators (aten::..., on the CPU) and of the device's
 # kernels (on CUDA): the first whose pattern (a regular expression, searched for, case ignored) is found
@@ -122,7 +122,7 @@ def step_work(config, tokens, activation_bytes):
             "attention": (FLOPS, 6 * tokens * L * C * (T + 1)),
             "normalization": (BYTES, 5 * (2 * L + 1) * C * tokens * activation_bytes),
             "loss": (BYTES, 2 * V * tokens * activation_bytes),
-            "optimizer": (BYTES, (1 + 7) * 4 * memory.n_params(config)),
+            "optimizer": (BYTES, (1 + 7) * 4 * n_params(config)),
             "copies": (BYTES, 2 * 8 * tokens),
             "element-wise": (BYTES, (L * (20 + 12) + 6) * C * tokens * activation_bytes)}
 

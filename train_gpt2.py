@@ -28,15 +28,17 @@ import memory
 import sharding
 import train_config
 from atomic import remove_if_unused
-from checkpoint import CheckpointError, Checkpointer, list_checkpoints, training_parts
-from cli import first_line, print_error, tell_torchrun
+from checkpoint import CheckpointError, Checkpointer, training_parts
+from checkpoint_files import list_checkpoints
+from cli import print_error, tell_torchrun
 from data import ShardError, ShardLoader, list_shards
 from devices import peak_flops
 from distributed import RunError, agree, on_every_rank
 from faults import Faults
+from inputs import first_line
 from loading import check_run_sources, load_model, replaced_settings
 from logdir import MetricsLog
-from model import ATTENTION_KERNELS, GPT
+from model import ATTENTION_KERNELS, GPT, n_params
 from optimizers import current_muon_lr, describe
 from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
 from tokenizer import gpt2_vocab_problem
@@ -146,8 +148,8 @@ def build_model(cfg, device, log):
     options = dict(recompute=cfg.scale.recompute, recompute_every=cfg.scale.recompute_every,
                    attention=ATTENTION_KERNELS[cfg.runtime.attention])
     init = None
-    if cfg.init_from == "scratch" and memory.n_params(cfg.model) >= SLOW_TO_BUILD:
-        log(f"building a GPT of {memory.n_params(cfg.model):,} parameters")
+    if cfg.init_from == "scratch" and n_params(cfg.model) >= SLOW_TO_BUILD:
+        log(f"building a GPT of {n_params(cfg.model):,} parameters")
     if cfg.init_from != "scratch":
         log(f"initialising from {cfg.init_from}")
         try:

@@ -171,7 +171,8 @@ def parts_of(model, optimizer, scaler, loader):
 
 def as_checkpoint(parts, step, flags):
     """What a one-file checkpoint of parts at step holds, with flags (TrainConfig.flags()) as its record."""
-    from checkpoint import checkpoint_contents, checkpoint_record
+    from checkpoint import checkpoint_record
+    from checkpoint_files import checkpoint_contents
 
     return checkpoint_contents(parts, checkpoint_record(parts, step, flags))
 
@@ -243,9 +244,9 @@ def train_records(records):
 
 
 def final_weights(log_dir, step):
-    from checkpoint import load_checkpoint
+    from checkpoint_files import load_checkpoint
 
-    return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt"))["model"]
+    return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt")).state["model"]
 
 
 def assert_same_run(a, b, rel=1e-5):

@@ -258,11 +258,12 @@ def test_no_script_replaces_a_device_named_as_its_output(tmp_path, capsys):
     """--json /dev/null, as a user might write to discard the results, is refused before any work:
     replaced by a file, /dev/null would be broken for the whole machine."""
     import checkpoint
+    import checkpoint_files
     import hellaswag
     import sample
     device = not_a_regular_file(tmp_path, "device")
     (tmp_path / "sharded").mkdir()
-    (tmp_path / "sharded" / checkpoint.TRAIN_STATE).write_bytes(b"")
+    (tmp_path / "sharded" / checkpoint_files.TRAIN_STATE).write_bytes(b"")
     scripts = {"sample.py": (sample.main, ["--prompt", "x", "--json", device]),
                "hellaswag.py": (hellaswag.main, ["--json", device]),
                "checkpoint.py": (checkpoint.main, [tmp_path / "sharded", device])}

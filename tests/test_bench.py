@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import bench
-import memory
 import step_profile
 from helpers import disk_full, exit_message, file_size_limit, run_script
-from model import ATTENTION_KERNELS, GPT, GPTConfig
+from model import ATTENTION_KERNELS, GPT, GPTConfig, n_params
 
 FIGURES = {"matmul": ["flops_per_sec"], "copy": ["bytes_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
@@ -230,7 +229,7 @@ def test_bad_arguments_stop_with_one_line_before_anything_is_timed(tmp_path, cap
 def quick_gpt(n_layer=2, n_embd=64, block_size=64):
     """The model --quick trains, as the trainer's size check names it."""
     config = GPTConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=bench.PADDED_VOCAB)
-    return f"a GPT of {memory.n_params(config):,} parameters needs"
+    return f"a GPT of {n_params(config):,} parameters needs"
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import loading
+import optimizer_state
 import export_hf
 import hellaswag
 import sample
@@ -28,16 +30,16 @@ RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint
 def save_sharded(path, model, optimizer, rest):
     """model's and optimizer's tensors as a sharded checkpoint at path writes them, beside rest."""
     parts = {"model": checkpoint.ModelPart(model), "optimizer": checkpoint.OptimizerPart(model, optimizer)}
-    checkpoint.save_dcp(str(path), {name: part.dcp_state_dict() for name, part in parts.items()}, rest)
+    checkpoint_files.save_dcp(str(path), {name: part.dcp_state_dict() for name, part in parts.items()}, rest)
 
 
 def as_sharded(one_file, directory):
     """A one-file checkpoint of train_gpt2.py rewritten as the sharded kind (what --fsdp 1 writes)."""
-    state = checkpoint.load_checkpoint(str(one_file))
+    state = checkpoint_files.load_checkpoint(str(one_file)).state
     model = GPT(GPTConfig(**state["config"]))
     model.load_state_dict(state["model"])
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu", fused=False)
-    checkpoint.load_optimizer_state(optimizer, state["optimizer"])
+    optimizer_state.load_optimizer_state(optimizer, state["optimizer"])
     save_sharded(directory, model, optimizer, {k: v for k, v in state.items() if k not in ("model", "optimizer")})
     return str(directory)
 
@@ -159,7 +161,7 @@ STORAGE_FILE = "__0_0.distcp"  # the one that save_dcp writes in one process
     (truncate, STORAGE_FILE, "truncated or damaged storage file"),
     (to_dev_zero, STORAGE_FILE, "a symbolic link, not a regular file"),
     (to_dev_zero, ".metadata", "a symbolic link, not a regular file"),
-    (to_dev_zero, checkpoint.TRAIN_STATE, "a symbolic link, not a regular file"),
+    (to_dev_zero, checkpoint_files.TRAIN_STATE, "a symbolic link, not a regular file"),
 ])
 def test_a_damaged_storage_file_is_one_line_in_every_reader_and_skipped_by_resume(copy, sharded_run, shards, tmp_path,
                                                                                   capsys, damage, file, expected):
@@ -182,18 +184,18 @@ def test_storage_files_of_another_model_size_and_a_config_of_no_model_are_one_li
     assert_every_reader_refuses(ckpt, tmp_path, capsys,
                                 "refused: its entry model.transformer.wte.weight has shape (256, 64), not this model's "
                                 "(256, 32) (another model size)")
-    state = checkpoint.load_checkpoint(str(copy / "ckpt_000002"))
-    torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint.TRAIN_STATE)
+    state = checkpoint_files.load_checkpoint(str(copy / "ckpt_000002")).state
+    torch.save({**state, "config": {**state["config"], "n_head": 0}}, copy / "ckpt_000002" / checkpoint_files.TRAIN_STATE)
     assert_every_reader_refuses(copy / "ckpt_000002", tmp_path, capsys, "not a checkpoint of this GPT")
 
 
 def with_dropout(ckpt, dropout):
     """ckpt (sharded) with its config's "dropout" set, or removed (None): checkpoints written while
     GPTConfig had no dropout hold none, or an unused 0.0."""
-    state = checkpoint.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     config = {k: v for k, v in state["config"].items() if k != "dropout"}
     torch.save({**state, "config": config if dropout is None else {**config, "dropout": dropout}},
-               ckpt / checkpoint.TRAIN_STATE)
+               ckpt / checkpoint_files.TRAIN_STATE)
 
 
 def test_older_checkpoints_load_and_a_recorded_dropout_gives_way_to_the_runs(copy, sharded_run, shards, tmp_path,
@@ -290,13 +292,13 @@ def test_a_metadata_value_endless_to_print_is_refused_at_once(copy, tmp_path):
 def with_nest(ckpt, field, out):
     """ckpt's contents (either kind) with nested_list(60) as a value of field ("config", "flags", or
     "args": the flags as checkpoints named them before), written as the same kind at out; returns out."""
-    state = checkpoint.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     if field == "args":
         state["args"] = state.pop("flags")
     state[field] = {**state[field], "n_layer": nested_list(60)}
     if os.path.isdir(ckpt):
         shutil.copytree(ckpt, out)
-        torch.save(state, os.path.join(out, checkpoint.TRAIN_STATE))
+        torch.save(state, os.path.join(out, checkpoint_files.TRAIN_STATE))
     else:
         torch.save(state, out)
     return str(out)
@@ -324,7 +326,7 @@ def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_res
                 ("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *RUN, "--resume", ckpt)]
         if kind == "sharded":
             runs.append(("checkpoint.py", ckpt, tmp_path / "out.pt"))
-        named = os.path.join(ckpt, checkpoint.TRAIN_STATE) if kind == "sharded" else ckpt
+        named = os.path.join(ckpt, checkpoint_files.TRAIN_STATE) if kind == "sharded" else ckpt
         for script, *args in runs:
             message = one_line_error(run_bounded(script, *args))
             assert message.endswith(f"{named}: not a checkpoint of this project (its {field} is nested more than "
@@ -340,7 +342,7 @@ def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
 
 
-@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata", checkpoint.TRAIN_STATE])
+@pytest.mark.parametrize("file", [STORAGE_FILE, ".metadata", checkpoint_files.TRAIN_STATE])
 def test_a_file_of_a_sharded_checkpoint_that_is_a_link_is_refused_even_to_a_good_one(copy, tmp_path, capsys, file):
     """A link could lead anywhere: followed, the conversion would copy the file it leads to."""
     ckpt = copy / "ckpt_000004"
@@ -392,7 +394,7 @@ def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_l
     part = checkpoint.OptimizerPart(model, resumed)
     if sharded:
         save_sharded(tmp_path / "ckpt", model, saved, {})
-        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     else:
         part.load_state_dict(saved.state_dict())
     adamw = torch_optimizers(resumed)[0]
@@ -445,7 +447,7 @@ def test_random_states_that_cannot_be_restored_are_one_line_naming_the_rank(bad,
     before = torch.get_rng_state()
     saved = bad(checkpoint.random_state())
     for dropout in (0.0, 0.1):
-        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring("ckpt_000004.pt", "rng"):
+        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint_files.restoring("ckpt_000004.pt", "rng"):
             checkpoint.RandomStates(dropout).load_state_dict(saved)
         assert str(e.value) == f"ckpt_000004.pt: its rng cannot be restored ({problem})"
         assert torch.equal(torch.get_rng_state(), before)
@@ -545,12 +547,12 @@ def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_
     config = OptimizerConfig(kind, 1e-3, 0.1)
     saved = tampered(stepped_optimizer(model, config), None if every else param, key, change)
     part = checkpoint.OptimizerPart(model, checkpoint.build_optimizer(model, config, "cpu"))
-    with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring("ckpt_000004.pt", "optimizer"):
+    with pytest.raises(checkpoint.CheckpointError) as e, checkpoint_files.restoring("ckpt_000004.pt", "optimizer"):
         part.load_state_dict(saved.state_dict())
     assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
     save_sharded(tmp_path / "ckpt", model, saved, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_parts(str(tmp_path / "ckpt"), {}, {"optimizer": part})
+        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     expected = (f"{tmp_path / 'ckpt'}: refused: its entry optimizer.state.{name}.{key} {sharded}; nothing was read"
                 if sharded else f"{tmp_path / 'ckpt'}: its optimizer cannot be restored (the state of {name}: {one_file})")
     assert str(e.value) == expected
@@ -614,11 +616,11 @@ def test_a_piece_placed_in_another_pieces_bytes_is_refused_by_every_reader_and_b
 def edited_state(ckpt, edit, out):
     """ckpt's train_state.pt (sharded) or contents (one file) as edit(state) leaves them, written as
     the same kind at out; returns out."""
-    state = checkpoint.load_checkpoint(str(ckpt))
+    state = checkpoint_files.load_checkpoint(str(ckpt)).state
     edit(state)
     if os.path.isdir(ckpt):
         shutil.copytree(ckpt, out)
-        torch.save(state, os.path.join(out, checkpoint.TRAIN_STATE))
+        torch.save(state, os.path.join(out, checkpoint_files.TRAIN_STATE))
     else:
         torch.save(state, out)
     return out
@@ -663,12 +665,12 @@ def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_re
     part = checkpoint.ModelPart(make_tiny_gpt(seed=1))
     path = tmp_path / "ckpt_000004"
     if kind == "one-file":
-        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint.restoring(str(path), "model"):
+        with pytest.raises(checkpoint.CheckpointError) as e, checkpoint_files.restoring(str(path), "model"):
             part.load_state_dict(saved.state_dict())
     else:
         save_sharded(path, saved, saved.configure_optimizers(0.1, 1e-3, "cpu"), {})
         with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.load_parts(str(path), {}, {"model": part})
+            checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(path), {}), {"model": part})
     assert str(e.value) == f"{path}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values" \
                            f"{where})"
 
@@ -704,11 +706,11 @@ def test_a_config_that_lacks_a_field_names_it_in_every_reader_and_resume(copy, s
 
 
 def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_beside_them(copy, tmp_path):
-    flags = checkpoint.recorded_flags(checkpoint.load_checkpoint(str(copy / "ckpt_000004")))
+    flags = checkpoint.recorded_flags(checkpoint_files.load_checkpoint(str(copy / "ckpt_000004")).state)
     ckpt = edited_state(copy / "ckpt_000004", lambda state: state.update(args={**flags, "max_lr": 1.0}),
                         tmp_path / "both")
     checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
-    converted = checkpoint.load_checkpoint(str(tmp_path / "out.pt"))
+    converted = checkpoint_files.load_checkpoint(str(tmp_path / "out.pt")).state
     assert converted["flags"] == flags and "args" not in converted
 
 
@@ -719,4 +721,4 @@ def test_the_conversion_replaces_an_existing_file_only_with_force(copy, tmp_path
         f"checkpoint.py: error: {out} exists (use --force to replace it)"
     assert out.read_bytes() == b"a checkpoint of the user's"
     checkpoint.main([str(copy / "ckpt_000004"), str(out), "--force"])
-    assert checkpoint.load_checkpoint(str(out))["step"] == 4
+    assert checkpoint_files.load_checkpoint(str(out)).state["step"] == 4

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+import checkpoint_files
 import distributed
 from data import write_shard
 from helpers import REPO, TINY, run_torchrun, said_errors, torchrun_root_cause, write_token_shards
@@ -70,7 +70,7 @@ def test_a_refusal_on_one_rank_stops_every_rank_at_once(shards, tmp_path):
                           timeout=120)
     assert result.returncode != 0
     assert said_errors(result.stderr) == ["error: the weights at step 2 are not finite: not checkpointing them"]
-    assert "exitcode  : 1" in result.stderr and checkpoint.list_checkpoints(str(tmp_path / "log")) == []
+    assert "exitcode  : 1" in result.stderr and checkpoint_files.list_checkpoints(str(tmp_path / "log")) == []
 
 
 # Windows of 16 x 64 tokens, one per rank a step: rank 1 reads windows 1, 3, 5...
@@ -217,7 +217,7 @@ def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_one_is_pr
     run = [*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "preempted"]
     stopped = run_two_nodes(*run, stop_at_step=1)
     assert "stopping on a signal at step" in stopped[0].stdout + stopped[1].stdout, stopped[1].stderr[-3000:]
-    stopped_at = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path / "preempted"))[-1])
+    stopped_at = checkpoint_files.checkpoint_step(checkpoint_files.list_checkpoints(str(tmp_path / "preempted"))[-1])
     assert 1 <= stopped_at < 5
     for node in run_two_nodes(*run):  # the same commands again: --resume auto
         assert node.returncode == 0, node.stderr[-3000:]

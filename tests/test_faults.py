@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import cli
 import loading
 import logdir
@@ -21,7 +22,7 @@ from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same
                       final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
                       run_torchrun, said_errors, train, train_records, write_jsonl, write_token_shards)
 from data import write_shard
-from model import GPTConfig
+from model import GPTConfig, n_params
 from train_config import ScaleConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
@@ -72,7 +73,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "stopping on a signal" in out
-    stopped_at = int(checkpoint.list_checkpoints(str(tmp_path))[-1][-9:-3])
+    stopped_at = int(checkpoint_files.list_checkpoints(str(tmp_path))[-1][-9:-3])
     # The summary says it stopped, not that it is done (LONG evaluates nothing).
     assert re.match(rf"stopped: step {stopped_at} of 40, .* no val loss, last checkpoint ",
                     out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
@@ -106,7 +107,7 @@ def test_a_ctrl_c_during_a_resumes_start_up_stops_it_before_its_first_step(shard
     train(shards, log_dir, *RUN, "--max_steps", "4")
     def checkpoints():
         return {path: (os.stat(path).st_mtime_ns, open(path, "rb").read())
-                for path in checkpoint.list_checkpoints(str(log_dir))}
+                for path in checkpoint_files.list_checkpoints(str(log_dir))}
     saved = checkpoints()
     script = tmp_path / "signalled_while_restoring.py"
     script.write_text(SIGNALLED_WHILE_RESTORING.format(repo=REPO, sent=str(sent)))
@@ -144,7 +145,7 @@ def test_a_sigterm_resume_under_dropout_gives_the_uninterrupted_losses(shards, t
 
     uninterrupted = run_into(tmp_path / "uninterrupted")
     run_into(tmp_path / "stopped", "--fault", "sigterm@2")
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000002.pt"]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000002.pt"]
     resumed = run_into(tmp_path / "stopped")  # --resume auto
     assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(uninterrupted)]
 
@@ -167,7 +168,7 @@ def test_damaged_newest_checkpoint_is_skipped(shards, uninterrupted, tmp_path, c
     data = newest.read_bytes()
     for cut in random.Random(0).sample(range(1, len(data)), 4) + [0]:
         newest.write_bytes(data[:cut])
-        path, state = checkpoint.latest_checkpoint(str(tmp_path))
+        path, state = checkpoint_files.latest_checkpoint(str(tmp_path))
         assert path.endswith("ckpt_000004.pt") and state["step"] == 4
     assert "skipping" in capsys.readouterr().err
     train(shards, tmp_path, *RUN)  # --resume auto takes step 4 and redoes 4..7
@@ -218,9 +219,9 @@ def test_nan_steps_are_skipped_without_touching_the_weights(shards, tmp_path):
     assert skipped == [3, 4]
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 5]
     # Steps 3 and 4 made no update: the weights after step 5 started from those at step 3.
-    at_3 = checkpoint.load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
+    at_3 = checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000003.pt")).state
     assert at_3["optimizer"]["state"][0]["step"].item() == 3
-    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000006.pt"))["optimizer"]["state"][0]["step"].item() == 4
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000006.pt")).state["optimizer"]["state"][0]["step"].item() == 4
 
 
 def test_a_nan_step_under_fp16_loss_scaling_is_skipped_and_training_goes_on(shards, tmp_path):
@@ -235,12 +236,12 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(shards, tmp_path):
     result = run_cli("--data_dir", shards, "--log_dir", tmp_path, *RUN, "--max_bad_steps", "3", *faults)
     message = one_line_error(result)
     assert "3 steps in a row had a non-finite loss" in message
-    for path in checkpoint.list_checkpoints(str(tmp_path)):
-        assert all(t.isfinite().all() for t in checkpoint.load_checkpoint(path)["model"].values())
+    for path in checkpoint_files.list_checkpoints(str(tmp_path)):
+        assert all(t.isfinite().all() for t in checkpoint_files.load_checkpoint(path).state["model"].values())
 
 
 def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_path, monkeypatch, capsys):
-    real_disk_usage = checkpoint.shutil.disk_usage
+    real_disk_usage = checkpoint_files.shutil.disk_usage
     calls = []
 
     def disk_full_after_first_checkpoint(path):
@@ -248,12 +249,12 @@ def test_full_disk_warns_keeps_training_and_keeps_older_checkpoints(shards, tmp_
         usage = real_disk_usage(path)
         return usage._replace(free=usage.free if len(calls) == 1 else 1000)
 
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_full_after_first_checkpoint)
+    monkeypatch.setattr(checkpoint_files.shutil, "disk_usage", disk_full_after_first_checkpoint)
     train(shards, tmp_path, *RUN)
     assert "skipping checkpoint" in capsys.readouterr().err
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000004.pt"]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == ["ckpt_000004.pt"]
     assert_each_step_logged_once(tmp_path, 8)
-    checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
+    checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt")).state
 
 
 def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
@@ -267,21 +268,21 @@ def test_a_log_that_cannot_be_written_warns_and_training_goes_on(shards, tmp_pat
     train_gpt2.main(TINY + ["--data_dir", shards, "--log_dir", str(tmp_path), *RUN])
     err = capsys.readouterr().err
     assert "warning: could not rewrite" in err and "warning: could not append to" in err
-    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt")).state["step"] == 8
 
 
 def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt_000001.pt")
-    checkpoint.save_checkpoint(path, {"model": {"w": torch.ones(3)}, "config": {}})
+    checkpoint_files.save_checkpoint(path, {"model": {"w": torch.ones(3)}, "config": {}})
 
     def half_written(obj, f):
         f.write(b"PK\x03\x04 half a zip")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", half_written)
-    assert checkpoint.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "config": {}}) is False
+    monkeypatch.setattr(checkpoint_files.torch, "save", half_written)
+    assert checkpoint_files.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "config": {}}) is False
     assert listdir(tmp_path) == ["ckpt_000001.pt"]
-    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(3))
+    assert torch.equal(checkpoint_files.load_checkpoint(path).state["model"]["w"], torch.ones(3))
 
 
 @pytest.mark.parametrize("bad, problem", [
@@ -353,7 +354,7 @@ def test_preemption_through_torchrun_checkpoints_within_its_grace_period(shards,
     assert "stopping on a signal at step 1" in stopped.stdout, stopped.stderr[-3000:]
     # torchrun's own traceback follows (it re-raises the signal), but none from a worker, none SIGKILLed.
     assert "closing signal SIGKILL" not in stopped.stderr and 'train_gpt2.py", line' not in stopped.stderr
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000001.pt"]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000001.pt"]
     result = run_torchrun(*PREEMPTED, "--data_dir", shards, "--log_dir", tmp_path / "stopped")  # --resume auto
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / run))] for run in ("uninterrupted", "stopped")]
@@ -385,7 +386,7 @@ def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
     records = read_log(tmp_path)
     assert [r["step"] for r in records if r.get("skipped_step")] == [1]
     assert [r["step"] for r in train_records(records)] == [0, 2]
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000003.pt"]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == ["ckpt_000003.pt"]
     replicas = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert_weights_equal(replicas[0]["weights"], replicas[1]["weights"])
     assert replicas[1]["checkpoints"] == ["ckpt_000003.pt"]
@@ -417,7 +418,7 @@ def test_ranks_that_find_different_checkpoints_refuse_to_resume(shards, tmp_path
     said = said_errors(result.stderr)
     assert len(said) == 1 and said[0].startswith("error: the ranks found different checkpoints to resume from "
                                                  "(step per rank: [2, None])")
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt_000002.pt"]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == ["ckpt_000002.pt"]
     assert_each_step_logged_once(tmp_path, 2)
 
 
@@ -500,7 +501,7 @@ def test_a_file_size_limit_mid_save_warns_keeps_the_older_checkpoint_and_trains_
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "could not write checkpoint" in result.stderr and "older checkpoints are kept" in result.stderr
     assert sorted(listdir(tmp_path)) == ["ckpt_000004.pt", "log.jsonl"]  # no temporary file left
-    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000004.pt"))["step"] == 4
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000004.pt")).state["step"] == 4
     assert_each_step_logged_once(tmp_path, 8)
 
 
@@ -513,7 +514,7 @@ def test_what_killed_saves_left_is_removed_at_start_and_on_pruning(shards, tmp_p
     train(shards, tmp_path, *RUN)
     assert sorted(listdir(tmp_path)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl", "notes.txt"]
     (tmp_path / "ckpt_000009.pt.tmp7").write_bytes(b"")
-    checkpoint.prune_checkpoints(str(tmp_path), keep_last=1)
+    checkpoint_files.prune_checkpoints(str(tmp_path), keep_last=1)
     assert sorted(listdir(tmp_path)) == ["ckpt_000008.pt", "log.jsonl", "notes.txt"]
 
 
@@ -528,7 +529,7 @@ def test_a_partial_save_or_a_checkpoint_that_is_a_link_is_removed_as_a_link(shar
     train(shards, log_dir, *RUN)
     assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
     os.symlink(elsewhere, log_dir / "ckpt_000002")  # named as a sharded checkpoint, the oldest
-    checkpoint.prune_checkpoints(str(log_dir), keep_last=2)
+    checkpoint_files.prune_checkpoints(str(log_dir), keep_last=2)
     assert sorted(listdir(log_dir)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
     assert listdir(elsewhere) == ["notes.txt"]
 
@@ -547,7 +548,7 @@ def test_resume_auto_with_every_checkpoint_unreadable_stops_and_resume_none_move
     [aside] = [name for name in listdir(tmp_path) if name.startswith("previous_")]
     assert sorted(listdir(tmp_path / aside)) == ["ckpt_000004.pt", "ckpt_000008.pt", "log.jsonl"]
     assert (tmp_path / aside / "log.jsonl").read_bytes() == log_before
-    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8  # this run's own
+    assert checkpoint_files.load_checkpoint(str(tmp_path / "ckpt_000008.pt")).state["step"] == 8  # this run's own
     assert_each_step_logged_once(tmp_path, 8)
 
 
@@ -644,7 +645,7 @@ def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_director
 def test_a_checkpoint_with_inconsistent_contents_is_one_line_naming_the_field(shards, tmp_path, capsys, field, value,
                                                                                expected):
     train(shards, tmp_path / "run", *RUN, "--max_steps", "4")
-    state = checkpoint.load_checkpoint(str(tmp_path / "run" / "ckpt_000004.pt"))
+    state = checkpoint_files.load_checkpoint(str(tmp_path / "run" / "ckpt_000004.pt")).state
     state[field] = value
     path = tmp_path / "edited.pt"
     torch.save(state, path)
@@ -671,14 +672,14 @@ def test_a_sharded_save_that_fails_midway_leaves_no_partial_directory(tmp_path, 
 
     def zip_writer_full(*args, **kwargs):  # what torch.save raises when the disk fills mid-file
         raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 704 vs 598")
-    monkeypatch.setattr(checkpoint.torch, "save", zip_writer_full)
+    monkeypatch.setattr(checkpoint_files.torch, "save", zip_writer_full)
     with pytest.raises(OSError, match="unexpected pos 704 vs 598"):
-        checkpoint.save_dcp(path, tensors, {"step": 4})
+        checkpoint_files.save_dcp(path, tensors, {"step": 4})
     assert listdir(tmp_path) == []
     monkeypatch.undo()
-    monkeypatch.setattr(checkpoint.dcp, "save", disk_full)
+    monkeypatch.setattr(checkpoint_files.dcp, "save", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
-        checkpoint.save_dcp(path, tensors, {"step": 4})
+        checkpoint_files.save_dcp(path, tensors, {"step": 4})
     assert listdir(tmp_path) == []
 
 
@@ -702,7 +703,7 @@ def test_an_out_of_memory_step_reruns_at_half_the_micro_batch(shards, tmp_path, 
     assert "out of memory at step 2: micro-batch 8 -> 4, 2 micro-steps per step" in out
     assert [r["step"] for r in train_records(records)] == [0, 1, 2, 3]
     assert_same_run(records, halved_micro_batch, rel=1e-5)
-    saved = checkpoint.load_checkpoint(tmp_path / "ckpt_000004.pt")
+    saved = checkpoint_files.load_checkpoint(tmp_path / "ckpt_000004.pt").state
     assert saved["train_loader"]["tokens_per_index"] == 4 * 32 and checkpoint.recorded_flags(saved)["micro_batch_size"] == "auto"
     train(shards, tmp_path, *OOM_RUN, "-B", "auto", "--max_steps", "5")
     assert (f"note: {tmp_path / 'ckpt_000004.pt'} was saved by a run of micro-batches of 128 tokens over all ranks, "
@@ -726,7 +727,7 @@ def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_
     plan, recomputed = (memory.plan(config, 1, 32, ScaleConfig(recompute=mode), compute=memory.Compute(dtype_bytes=4)).total
                         for mode in ("none", "full"))
     assert recomputed < 0.9 * plan
-    assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {memory.n_params(config):,} "
+    assert message == (f"error: out of memory at step 1 at micro-batch 1: a GPT of {n_params(config):,} "
                        f"parameters plans {plan / 2**20:.1f} MiB per process at micro-batch 1, within 80% of 8.0 GiB "
                        f"available, so memory the plan does not count ran out (another process's?): --recompute full "
                        f"plans {recomputed / 2**20:.1f} MiB")

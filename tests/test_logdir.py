@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-import checkpoint
+import checkpoint_files
 import logdir
 from helpers import error_of, listdir, read_log, train
 
@@ -71,7 +71,7 @@ def tidied(log_dir, resume):
     lines = []
     logdir.tidy_log_dir(str(log_dir), resume, lines.append, True)
     logdir.check_log_dir(str(log_dir), resume, "scratch", lines.append, True)
-    found = checkpoint.find_resume(resume, str(log_dir))
+    found = checkpoint_files.find_resume(resume, str(log_dir))
     return lines, found and (found[0], found[1]["step"])
 
 
@@ -132,7 +132,7 @@ def test_a_checkpoint_left_aside_newer_than_log_dirs_is_named_by_resume_auto_and
                        f"{log_dir}, which --resume auto would take (a start-over cut short?): name the one to resume "
                        f"with --resume PATH")
     error_of(capsys, "--data_dir", tmp_path / "none", "--log_dir", log_dir, "--resume", "none")  # no shards, once moved
-    assert newer.is_file() and checkpoint.list_checkpoints(str(log_dir)) == []
+    assert newer.is_file() and checkpoint_files.list_checkpoints(str(log_dir)) == []
     [aside] = [name for name in listdir(log_dir) if name.startswith("previous_") and name != EARLIER]
     assert listdir(log_dir / aside) == ["ckpt_000004.pt"]
 
@@ -154,7 +154,7 @@ def test_only_a_real_checkpoint_makes_the_earlier_run_removable(tmp_path, kind):
         os.symlink(fake_checkpoint(tmp_path / "elsewhere.pt", 2, saved=2), named)
     else:
         named.write_bytes(fake_checkpoint(tmp_path / "whole.pt", 2, saved=2).read_bytes()[:-100])
-    assert checkpoint.named_checkpoints(str(log_dir)) == [str(named)] and checkpoint.list_checkpoints(str(log_dir)) == []
+    assert checkpoint_files.named_checkpoints(str(log_dir)) == [str(named)] and checkpoint_files.list_checkpoints(str(log_dir)) == []
     lines, _ = tidied(log_dir, "none")
     [aside] = [name for name in listdir(log_dir) if name.startswith("previous_") and name != EARLIER]
     assert lines == [f"--resume none: moved the earlier run ({logdir.megabytes(log_dir / aside)}, no checkpoint) to "
@@ -168,7 +168,7 @@ def test_pruning_counts_only_real_checkpoints(tmp_path):
     for step in (4, 8):
         fake_checkpoint(tmp_path / f"ckpt_{step:06d}.pt", step, saved=step)
     (tmp_path / "ckpt_000012.pt").write_bytes(b"")
-    checkpoint.prune_checkpoints(str(tmp_path), keep_last=1)
+    checkpoint_files.prune_checkpoints(str(tmp_path), keep_last=1)
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000008.pt", "ckpt_000012.pt"]
 
 
@@ -230,7 +230,7 @@ def test_a_sharded_checkpoint_under_another_name_is_named_but_not_the_run_it_sta
     folder = log_dir / "step_2"
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"\x80\x04" + bytes(100))
-    fake_checkpoint(folder / checkpoint.TRAIN_STATE, 2, saved=1)
+    fake_checkpoint(folder / checkpoint_files.TRAIN_STATE, 2, saved=1)
     with pytest.raises(logdir.RunError, match=f"^{re.escape(str(folder))} is a checkpoint under a name that --resume"):
         tidied(log_dir, "auto")
     logdir.check_log_dir(str(log_dir), "auto", str(folder), print, True)  # --init_from it: nothing to say

@@ -14,9 +14,10 @@ import loss
 import memory
 import train_gpt2
 from cli import preset_names
-from checkpoint import load_checkpoint, recorded_flags
+from checkpoint import recorded_flags
+from checkpoint_files import load_checkpoint
 from helpers import REPO, TINY, error_of, exit_message, interpreted, run_script, train
-from model import GPT, GPTConfig, RECOMPUTE
+from model import GPT, GPTConfig, RECOMPUTE, n_params
 from tokenizer import N_VOCAB
 from train_config import ScaleConfig
 
@@ -111,16 +112,16 @@ def test_plan_of_an_absurd_depth_is_printed_at_once():
     result = run_script("train_gpt2.py", "--plan", "-B", 8, "--n_layer", 10**12, "--recompute", "full",
                         "--recompute_every", 3, timeout=30)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith(f"{memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304)):,} parameters")
+    assert result.stdout.startswith(f"{n_params(GPTConfig(n_layer=10**12, vocab_size=50304)):,} parameters")
 
 
 def test_parameter_count_of_every_preset():
-    assert memory.n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
+    assert n_params(CONFIG) == sum(p.numel() for p in GPT(CONFIG).parameters())
     for name in preset_names():
         config, _ = memory.preset_model(name)
         with torch.device("meta"):
             model = GPT(config)
-        assert memory.n_params(config) == sum(p.numel() for p in model.parameters()), name
+        assert n_params(config) == sum(p.numel() for p in model.parameters()), name
 
 
 def test_memory_reads_each_preset_as_the_trainer_does():
@@ -178,9 +179,9 @@ def test_the_trainer_refuses_absurd_sizes_at_once_before_allocating(tmp_path, ca
     message = exit_message(capsys, train_gpt2.main, "--n_embd", 10**400, "--n_head", 1, *dirs)
     assert message == f"{PAST_A_FLOAT} (see --plan)"
     result = run_script("train_gpt2.py", "--n_layer", 10**12, *dirs, timeout=30)
-    n_params = memory.n_params(GPTConfig(n_layer=10**12, vocab_size=50304))
+    parameters = n_params(GPTConfig(n_layer=10**12, vocab_size=50304))
     assert result.returncode == 1 and result.stderr.count("\n") == 1
-    assert result.stderr.startswith(f"error: a GPT of {n_params:,} parameters needs")
+    assert result.stderr.startswith(f"error: a GPT of {parameters:,} parameters needs")
     assert not (tmp_path / "log").exists()
 
 
@@ -290,7 +291,7 @@ def test_auto_on_a_cpu_fits_the_hosts_available_memory_or_says_it_cannot_read_it
     """The same choice as on a GPU, against HOST_HEADROOM of the host's available memory (the
     model's weights, built already, counted in), shared by the processes torchrun started on it."""
     cfg = train_gpt2.parse_args(["--total_batch_size", str(3 * 8 * 1024)])
-    weights = 4 * memory.n_params(cfg.model)
+    weights = 4 * n_params(cfg.model)
     logged = []
     for available, processes in ((64 * memory.GiB, 1), (9 * memory.GiB, 1), (18 * memory.GiB, 2), (None, 1)):
         monkeypatch.setattr(memory, "available_memory", lambda: available)
@@ -335,17 +336,17 @@ def test_auto_on_a_cpu_with_too_little_memory_trains_at_what_fits_or_stops_in_on
     step of 64 sequences -B auto takes 16, the largest whose plan fits; with less memory than one
     sequence plans, it stops in one line before training, leaving no log_dir."""
     cfg = train_gpt2.parse_args([*TINY, "--total_batch_size", "2048"])
-    weights = 4 * memory.n_params(cfg.model)
+    weights = 4 * n_params(cfg.model)
     sixteen, thirty_two = (memory.run_plan(cfg, batch, 1, ON_A_CPU).total for batch in (16, 32))
     monkeypatch.setattr(memory, "available_memory", lambda: (sixteen + thirty_two) / 2 / memory.HOST_HEADROOM - weights)
     train(shards, tmp_path / "fits", "--total_batch_size", "2048", "--max_steps", "1")
     assert "micro-batch auto: 16 (plan " in capsys.readouterr().out
-    saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt"))
+    saved = load_checkpoint(str(tmp_path / "fits" / "ckpt_000001.pt")).state
     assert saved["train_loader"]["tokens_per_index"] == 16 * 32  # the loader records the micro-batch it took
     assert recorded_flags(saved)["micro_batch_size"] == "auto"  # the flags, what was asked
     monkeypatch.setattr(memory, "available_memory", lambda: weights)
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "none", "--total_batch_size", "2048")
-    assert message.startswith(f"error: -B auto: a GPT of {memory.n_params(cfg.model):,} parameters plans ")
+    assert message.startswith(f"error: -B auto: a GPT of {n_params(cfg.model):,} parameters plans ")
     assert message.endswith(": nothing fits this host") and not (tmp_path / "none").exists()
 
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import memory
 import optimizers
 import train_gpt2
+from checkpoint_files import OneFileCheckpoint
 from data import ShardLoader, list_shards
 from faults import Faults
 from helpers import (TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run, error_of, file_size_limit,
@@ -185,7 +187,7 @@ def test_resume_of_muon_is_exact_and_its_momentum_is_in_the_checkpoint(shards, t
     assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in tail]
     for key, tensor in final_weights(tmp_path / "full", 8).items():
         assert torch.equal(tensor, final_weights(tmp_path / "resumed", 8)[key]), key
-    saved = checkpoint.load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
+    saved = checkpoint_files.load_checkpoint(tmp_path / "full" / "ckpt_000004.pt").state
     assert set(saved["optimizer"]) == {"adamw", "muon"} and checkpoint.recorded_flags(saved)["optimizer"] == "muon"
     buffers = [s["momentum_buffer"] for s in saved["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)
@@ -265,7 +267,7 @@ def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path
     """Muon's and AdamW's state, each tensor checked against its parameter at load: torch loads it as
     it is, to fail at the first step with a traceback, or train on from infinities."""
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
-    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state = checkpoint_files.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt").state
     tamper(state["optimizer"]["muon"]["state"], state["optimizer"]["adamw"]["state"])
     torch.save(state, tmp_path / "tampered.pt")
     assert_refused(shards, tmp_path, capsys, tmp_path / "tampered.pt", problem)
@@ -276,25 +278,25 @@ def test_a_negative_step_count_is_one_line_and_tampered_group_settings_give_way_
     Muon momentum of 2.0 or a beta of 1.0 in the saved groups, which torch refuses only when an
     optimizer is built, never steps: the groups' settings are the resumed run's own flags'."""
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
-    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state = checkpoint_files.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt").state
     state["optimizer"]["adamw"]["state"][0].update(step=torch.tensor(-3.0))
     torch.save(state, tmp_path / "negative.pt")
     assert_refused(shards, tmp_path, capsys, tmp_path / "negative.pt",
                    "its optimizer cannot be restored (the state of transformer.wte.weight: step is -3, not a "
                    "count of 0 or more)")
-    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state = checkpoint_files.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt").state
     state["optimizer"]["muon"]["param_groups"][0].update(momentum=2.0)
     state["optimizer"]["adamw"]["param_groups"][1].update(betas=(0.9, 1.0))
     torch.save(state, tmp_path / "tampered.pt")
     train(shards, tmp_path / "resumed", *STEPS, *MUON, "--max_steps", "3", "--resume", tmp_path / "tampered.pt")
-    groups = checkpoint.load_checkpoint(tmp_path / "resumed" / "ckpt_000003.pt")["optimizer"]
+    groups = checkpoint_files.load_checkpoint(tmp_path / "resumed" / "ckpt_000003.pt").state["optimizer"]
     assert groups["muon"]["param_groups"][0]["momentum"] == 0.9 and groups["adamw"]["param_groups"][1]["betas"] == \
         (0.9, 0.95)
 
 
 def test_a_muon_checkpoint_with_another_number_of_param_groups_is_refused(shards, tmp_path, capsys):
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
-    state = checkpoint.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt")
+    state = checkpoint_files.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt").state
     groups = state["optimizer"]["muon"]["param_groups"]
     groups.append({**groups[1], "params": []})
     torch.save(state, tmp_path / "extra.pt")
@@ -316,12 +318,12 @@ def test_a_checkpoint_from_before_the_flag_is_adamws(shards):
     flags = train_gpt2.parse_args([]).flags()
     del flags["optimizer"]  # as the trainer saved its flags before --optimizer
     state = as_checkpoint(parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, loader), 3, flags)
-    assert checkpoint.restore_parts("ckpt", state, parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                                            scaler, loader)) == 3
+    assert checkpoint.restore_parts(OneFileCheckpoint("ckpt", state),
+                                    parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"), scaler, loader)) == 3
     optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1), "cpu")
     with pytest.raises(checkpoint.CheckpointError, match="ckpt is a run of --optimizer adamw, this one is of "
                                                          "--optimizer muon"):
-        checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader))
+        checkpoint.restore_parts(OneFileCheckpoint("ckpt", state), parts_of(model, optimizer, scaler, loader))
 
 
 def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr(shards):
@@ -332,7 +334,7 @@ def test_a_resumed_muon_run_keeps_this_machines_adamw_kernel_and_its_own_muon_lr
     saved = optimizers.build_optimizer(model, fused, "cuda")
     state = as_checkpoint(parts_of(model, saved, scaler, loader), 3, train_gpt2.parse_args(MUON).flags())
     optimizer = optimizers.build_optimizer(model, optimizers.OptimizerConfig("muon", 1e-3, 0.1, muon_lr=0.04), "cpu")
-    assert checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader)) == 3
+    assert checkpoint.restore_parts(OneFileCheckpoint("ckpt", state), parts_of(model, optimizer, scaler, loader)) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.adamw.param_groups] == [(False, None)] * 2
     assert optimizer.muon.param_groups[0]["lr_scale"] == 0.04 / 1e-3
 
@@ -359,7 +361,7 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     resumed = train(shards, tmp_path / "one", *flags, "-B", "4", "--resume", tmp_path / "fsdp" / "ckpt_000003")
     assert_same_run(tail(sharded), resumed, rel=1e-4)  # one process against two ranks, as above
     checkpoint.main([str(tmp_path / "fsdp" / "ckpt_000003"), str(tmp_path / "converted.pt")])
-    converted = checkpoint.load_checkpoint(tmp_path / "converted.pt")
+    converted = checkpoint_files.load_checkpoint(tmp_path / "converted.pt").state
     buffers = [s["momentum_buffer"] for s in converted["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)
     assert converted["optimizer"]["muon"]["param_groups"][0]["lr_scale"] == 0.02 / 3e-3

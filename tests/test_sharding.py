@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import loading
 import hellaswag
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
@@ -85,7 +86,7 @@ def test_a_sharded_checkpoint_and_its_one_file_conversion_score_alike(evaluated_
         scores.append(json.loads((tmp_path / "score.json").read_text()))
     assert scores[0] == scores[1]
     assert scores[0]["acc_norm"] == [r["hellaswag_acc_norm"] for r in fsdp if "hellaswag_acc_norm" in r][-1]
-    state = checkpoint.load_checkpoint(str(tmp_path / "converted.pt"))
+    state = checkpoint_files.load_checkpoint(str(tmp_path / "converted.pt")).state
     n_params = len(list(loading.load_model(str(tmp_path / "converted.pt")).parameters()))
     assert state["step"] == 2 and len(state["optimizer"]["state"]) == n_params
 

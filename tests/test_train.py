@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import devices
 import distributed
 import hellaswag
 import loading
 import train_config
 import train_gpt2
-from checkpoint import load_checkpoint
+from checkpoint_files import OneFileCheckpoint, load_checkpoint
 from data import ShardLoader, list_shards, write_shard
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run,
                      error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
@@ -193,7 +194,7 @@ def test_training_on_from_an_older_checkpoint_into_its_log_dir_is_refused(shards
                        "--resume", tmp_path / "ckpt_000002.pt")
     assert "holds checkpoints past step 2 (ckpt_000006.pt, ...)" in message and "mix two runs" in message
     assert read_log(tmp_path) == history
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
     branched = train(shards, tmp_path / "branch", *run, "--max_steps", "4", "--resume", tmp_path / "ckpt_000002.pt")
     assert [r["step"] for r in train_records(branched)] == [2, 3]
@@ -307,7 +308,7 @@ def test_resume_keeps_this_machines_adamw_kernel(shards):
     fused = model.configure_optimizers(0.1, 1e-3, "cuda", fused=True)
     state = as_checkpoint(parts_of(model, fused, scaler, loader), 3, train_gpt2.parse_args([]).flags())
     optimizer = model.configure_optimizers(0.1, 1e-3, "cpu")
-    assert checkpoint.restore_parts("ckpt", state, parts_of(model, optimizer, scaler, loader)) == 3
+    assert checkpoint.restore_parts(OneFileCheckpoint("ckpt", state), parts_of(model, optimizer, scaler, loader)) == 3
     assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == [(False, None)] * 2
 
 
@@ -348,7 +349,7 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     resumed = train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "3", "--dtype", "float16")
     assert [r["step"] for r in train_records(resumed)] == [0, 1, 2]
     # Saved by a process that saw 8 GPUs, resumed where there is one: that one's state only.
-    state = load_checkpoint(str(tmp_path / "ckpt_000003.pt"))
+    state = load_checkpoint(str(tmp_path / "ckpt_000003.pt")).state
     state["rng"][0]["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -356,8 +357,9 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
     model = GPT(GPTConfig(**TINY_CONFIG))
     loader = ShardLoader(list_shards(shards, "train"), 8, 32)
-    step = checkpoint.restore_parts("ckpt", state, parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"),
-                                                            torch.amp.GradScaler("cpu", enabled=False), loader))
+    step = checkpoint.restore_parts(OneFileCheckpoint("ckpt", state),
+                                    parts_of(model, model.configure_optimizers(0.1, 1e-3, "cpu"),
+                                             torch.amp.GradScaler("cpu", enabled=False), loader))
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"][0]["cuda"][0])
 
 
@@ -458,7 +460,7 @@ def resumed_with_another_weight_decay(shards, log_dir):
 
 def test_a_resume_trains_with_this_runs_weight_decay_not_the_checkpoints(shards, tmp_path):
     resumed_with_another_weight_decay(shards, tmp_path)
-    state = load_checkpoint(str(tmp_path / "ckpt_000004.pt"))
+    state = load_checkpoint(str(tmp_path / "ckpt_000004.pt")).state
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
     assert checkpoint.recorded_flags(state)["weight_decay"] == 0.0
 
@@ -475,7 +477,7 @@ def test_resume_is_exact_across_several_epochs(tmp_path):
     run = ["--total_batch_size", "256", "-B", "8", "--max_steps", "30"]
     full = train(data, tmp_path / "full", *run, "--checkpoint_interval", "10")
     resumed = train(data, tmp_path / "resumed", *run, "--resume", tmp_path / "full" / "ckpt_000010.pt")
-    assert load_checkpoint(str(tmp_path / "full" / "ckpt_000030.pt"))["train_loader"]["epoch"] == 4
+    assert load_checkpoint(str(tmp_path / "full" / "ckpt_000030.pt")).state["train_loader"]["epoch"] == 4
     tail = [r["train_loss"] for r in train_records(full) if r["step"] >= 10]
     assert [r["train_loss"] for r in train_records(resumed)] == pytest.approx(tail, abs=1e-6)
     in_order = train(data, tmp_path / "in_order", *run, "--shuffle", "0")
@@ -572,7 +574,7 @@ def test_checkpoints_with_wrapper_prefixes_still_load(shards, tmp_path):
 
 def assert_resumes(shards, log_dir, weights):
     """load_model and --resume both take the newest checkpoint in log_dir, whose model is weights."""
-    newest = checkpoint.list_checkpoints(str(log_dir))[-1]
+    newest = checkpoint_files.list_checkpoints(str(log_dir))[-1]
     loaded = loading.load_model(newest).state_dict()
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
     records = train(shards, log_dir, "--total_batch_size", "256", "-B", "8", "--max_steps", "3")
@@ -637,9 +639,9 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
 def test_keep_last_keeps_the_newest_checkpoints(shards, tmp_path):
     train(shards, tmp_path, "--total_batch_size", "256", "-B", "8", "--max_steps", "8",
           "--checkpoint_interval", "2", "--keep_last", "2")
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000006.pt", "ckpt_000008.pt"]
-    assert load_checkpoint(str(tmp_path / "ckpt_000008.pt"))["step"] == 8
+    assert load_checkpoint(str(tmp_path / "ckpt_000008.pt")).state["step"] == 8
 
 
 def test_bad_steps_must_be_in_a_row_to_stop_the_run(shards, tmp_path):
@@ -681,7 +683,7 @@ def test_training_on_from_the_newest_checkpoint_by_path_in_its_own_log_dir(shard
     train(shards, tmp_path, *run, "--max_steps", "4")
     records = train(shards, tmp_path, *run, "--max_steps", "6", "--resume", tmp_path / "ckpt_000004.pt")
     assert [r["step"] for r in train_records(records)] == list(range(6))
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == [
         "ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt"]
 
 
@@ -713,7 +715,7 @@ def test_a_resumed_adamw_holds_its_state_as_this_machines_kernel_does(shards):
     _, fresh = stepped_once(fused=True)
     model = GPT(GPTConfig(**TINY_CONFIG))
     resumed = model.configure_optimizers(0.1, 1e-3, "cpu", fused=True)
-    checkpoint.restore_parts("ckpt", state, parts_of(model, resumed, scaler, loader))
+    checkpoint.restore_parts(OneFileCheckpoint("ckpt", state), parts_of(model, resumed, scaler, loader))
 
     def placement(optimizer):
         return [{k: (v.device, v.dtype) for k, v in optimizer.state[p].items()}
@@ -766,7 +768,7 @@ def test_init_from_takes_only_the_weights_of_a_checkpoint_or_a_hugging_face_dire
     assert [(r["step"], r["val_loss"]) for r in tuned if "val_loss" in r][0] == next(
         (r["step"] - 3, r["val_loss"]) for r in trained if r["step"] == 3 and "val_loss" in r)
     assert [r["lr"] for r in train_records(tuned)] == [r["lr"] for r in train_records(trained)][:2]
-    state = load_checkpoint(str(tmp_path / "b" / "ckpt_000002.pt"))
+    state = load_checkpoint(str(tmp_path / "b" / "ckpt_000002.pt")).state
     assert state["step"] == 2 and {s["step"].item() for s in state["optimizer"]["state"].values()} == {2.0}
     # From a Hugging Face directory: its architecture, whatever the model flags say, and its loss.
     hf, hf_dir = hf_gpt2_dir
@@ -810,7 +812,7 @@ def test_dropout_resumes_exactly_in_one_process(shards, tmp_path):
     run = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--dropout", "0.1"]
     full = train(shards, tmp_path / "full", *run, "--checkpoint_interval", "4")
     resumed = train(shards, tmp_path / "resumed", *run, "--resume", tmp_path / "full" / "ckpt_000004.pt")
-    assert load_checkpoint(str(tmp_path / "full" / "ckpt_000004.pt"))["config"]["dropout"] == 0.1
+    assert load_checkpoint(str(tmp_path / "full" / "ckpt_000004.pt")).state["config"]["dropout"] == 0.1
     assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(full)][4:]
     for key, tensor in final_weights(tmp_path / "full", 8).items():
         assert torch.equal(tensor, final_weights(tmp_path / "resumed", 8)[key]), key
@@ -826,12 +828,12 @@ def test_dropout_resumes_exactly_on_2_ranks_each_drawing_its_own_masks(shards, t
            *scale]
     full = run_torchrun("train_gpt2.py", *run, "--checkpoint_interval", "3", "--log_dir", tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    saved = checkpoint.list_checkpoints(str(tmp_path / "full"))[0]
+    saved = checkpoint_files.list_checkpoints(str(tmp_path / "full"))[0]
     resumed = run_torchrun("train_gpt2.py", *run, "--resume", saved, "--log_dir", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / name))] for name in ("full", "resumed")]
     assert losses[1] == losses[0][3:]
-    rng = load_checkpoint(saved)["rng"]
+    rng = load_checkpoint(saved).state["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
     capsys.readouterr()
     one = train(shards, tmp_path / "one", "--total_batch_size", "256", "-B", "8", "--max_steps", "6",
@@ -850,11 +852,11 @@ def test_dropout_flag_is_the_models_whatever_init_from_recorded(shards, tmp_path
     write_token_shards(data, vocab=hf.config.vocab_size)
     run = ["--total_batch_size", "256", "-B", "8", "--max_steps", "1"]
     train(str(data), tmp_path / "a", *run, "--init_from", hf_dir)
-    assert load_checkpoint(str(tmp_path / "a" / "ckpt_000001.pt"))["config"]["dropout"] == 0.0
+    assert load_checkpoint(str(tmp_path / "a" / "ckpt_000001.pt")).state["config"]["dropout"] == 0.0
     train(str(data), tmp_path / "b", *run, "--init_from", tmp_path / "a" / "ckpt_000001.pt", "--dropout", "0.2")
-    assert load_checkpoint(str(tmp_path / "b" / "ckpt_000001.pt"))["config"]["dropout"] == 0.2
+    assert load_checkpoint(str(tmp_path / "b" / "ckpt_000001.pt")).state["config"]["dropout"] == 0.2
     train(str(data), tmp_path / "c", *run, "--init_from", tmp_path / "b" / "ckpt_000001.pt")
-    assert load_checkpoint(str(tmp_path / "c" / "ckpt_000001.pt"))["config"]["dropout"] == 0.0
+    assert load_checkpoint(str(tmp_path / "c" / "ckpt_000001.pt")).state["config"]["dropout"] == 0.0
 
 
 def test_val_loss_hellaswag_and_samples_run_without_dropout(shards, tmp_path):
