@@ -659,7 +659,7 @@ def test_a_checkpoint_records_the_flags_as_asked_not_as_this_machine_settled_the
           "--eval_interval", "1", "--val_steps", "1000", "--sample_interval", "1")
     out = capsys.readouterr().out
     assert "micro-batch auto: 8 (" in out and "fewer than --val_steps 1000: using 15" in out and "no samples" in out
-    flags = checkpoint.recorded_flags(load_checkpoint(str(tmp_path / "ckpt_000001.pt")))
+    flags = checkpoint.recorded_flags(load_checkpoint(str(tmp_path / "ckpt_000001.pt")).state)
     assert (flags["loss"], flags["micro_batch_size"], flags["val_steps"], flags["sample_interval"]) == \
         ("auto", "auto", 1000, 1)
 
