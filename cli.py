@@ -66,7 +66,7 @@ def read_config(path):
 
 
 # The oldest torch this code runs on (requirements.txt says the same). 2.7 brought the newest
-# APIs it uses but one: distribute_tensor(src_data_rank=) (sharding.py) and DCP's
+# APIs it uses but one: distribute_tensor(src_data_rank=) (fsdp.py) and DCP's
 # _StorageInfo.transform_descriptors (dcp_reader.py). Up to 2.8 gloo's reduce_scatter_tensor sums
 # where asked to average (FSDP on a CPU got gradients world-size times too large), and 2.9 brought
 # torch.optim.Muon (--optimizer muon): 2.9.

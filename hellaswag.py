@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-import sharding
+import fsdp
 
 from atomic import atomic_open
 from cli import Parser
@@ -341,7 +341,7 @@ def load_for_run(eval_config, local_rank, gpt_config, log):
 def accuracy_over_ranks(model, examples, config, rank=0, world_size=1):
     """(acc, acc_norm, n) of model, a GPT in evaluation mode, FSDP-sharded or not, with the examples
     split across ranks as config says and the counts summed."""
-    counts = count_correct(model, examples, config, rank, world_size, equal_shares=sharding.is_sharded(model))
+    counts = count_correct(model, examples, config, rank, world_size, equal_shares=fsdp.is_sharded(model))
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=config.device,
                          dtype=torch.long)
     if dist.is_initialized():

@@ -93,7 +93,7 @@ def block_activation_bytes(config, recompute, a):
     return inputs + attention + mlp
 
 
-def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
+def activation_bytes(config, micro_batch, seq_len, recompute="none", every=1, a=2):
     """What the forward pass keeps for the backward, the loss's logits aside. Blocks 0, every,
     2*every, ... recompute, the others keep everything."""
     recomputing = -(-config.n_layer // every)  # counted, not summed block by block: any n_layer at once
@@ -101,10 +101,10 @@ def activation_bytes(config, batch, seq_len, recompute="none", every=1, a=2):
               + (config.n_layer - recomputing) * block_activation_bytes(config, "none", a))
     # ids, targets, the embeddings' dropout mask, ln_f's input, stats and output
     top = 8 + 8 + (config.n_embd if config.dropout else 0) + 4 * config.n_embd + 8 + 4 * config.n_embd
-    return batch * seq_len * (blocks + top)
+    return micro_batch * seq_len * (blocks + top)
 
 
-def logits_bytes(config, batch, seq_len, loss_kind, a=2, compiled=False):
+def logits_bytes(config, micro_batch, seq_len, loss_kind, a=2, compiled=False):
     """The peak of the loss of loss_kind (one of loss.LOSSES), by what it does with the (positions,
     vocab) logits:
     - fused: one chunk's logits in the autocast dtype alone, their gradient written over them, plus
@@ -120,8 +120,8 @@ def logits_bytes(config, batch, seq_len, loss_kind, a=2, compiled=False):
     if loss_kind not in LOSSES:
         raise ValueError(f"the plan needs the loss the run computes, one of {', '.join(LOSSES)}, not {loss_kind!r}")
     if loss_kind == "masked":
-        return batch * seq_len * config.vocab_size * ((a + 4) if compiled else 12)
-    rows = min(batch * seq_len, CHUNK)
+        return micro_batch * seq_len * config.vocab_size * ((a + 4) if compiled else 12)
+    rows = min(micro_batch * seq_len, CHUNK)
     copy = rows * min(config.vocab_size, N_VOCAB) * 4 if loss_kind == "chunked" and a < 4 else 0
     return rows * config.vocab_size * a + copy + head_gradient_bytes(config)
 
@@ -132,8 +132,8 @@ def head_gradient_bytes(config):
     return 4 * config.vocab_size * config.n_embd
 
 
-def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, compute=Compute(), optimizer="adamw"):
-    """The memory one GPU needs for a training step of a GPT of config, batch sequences of seq_len
+def plan(config, micro_batch, seq_len, scale=ScaleConfig(), world_size=1, compute=Compute(), optimizer="adamw"):
+    """The memory one GPU needs for a training step of a GPT of config, micro_batch sequences of seq_len
     a micro-step, with scale's levers (FSDP over world_size ranks, recompute), computing as compute
     says (the dtype, compiled or eager, the loss's kind), split as Plan's fields. ValueError for
     sizes whose total is past a float's range: no figure in GiB can be printed for them."""
@@ -150,8 +150,8 @@ def plan(config, batch, seq_len, scale=ScaleConfig(), world_size=1, compute=Comp
         copies = dtype_bytes * P if dtype_bytes < 4 else 0  # autocast's low-precision copies of the weights
         weights, gradients = 4 * P + copies, 4 * P
     estimate = Plan(weights, gradients, state,
-                    activation_bytes(config, batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
-                    logits_bytes(config, batch, seq_len, compute.loss_kind, dtype_bytes, compute.compiled))
+                    activation_bytes(config, micro_batch, seq_len, scale.recompute, scale.recompute_every, dtype_bytes),
+                    logits_bytes(config, micro_batch, seq_len, compute.loss_kind, dtype_bytes, compute.compiled))
     if estimate.total > sys.float_info.max:
         raise ValueError(f"a GPT of these sizes needs more than {sys.float_info.max:.1e} bytes: too many to plan")
     return estimate
@@ -209,8 +209,8 @@ def fits(estimate, memory_bytes, device="cuda"):
 def pick_micro_batch(cfg, world_size, memory_bytes, compute, gpt_config=None, device="cuda"):
     """The largest of BatchConfig.auto_micro_batches whose plan fits in headroom(device) of
     memory_bytes of device, or None."""
-    return next((batch for batch in cfg.batch.auto_micro_batches(world_size)
-                 if fits(run_plan(cfg, batch, world_size, compute, gpt_config), memory_bytes, device)), None)
+    return next((micro_batch for micro_batch in cfg.batch.auto_micro_batches(world_size)
+                 if fits(run_plan(cfg, micro_batch, world_size, compute, gpt_config), memory_bytes, device)), None)
 
 
 def auto_micro_batch(cfg, world_size, memory_bytes, compute, gpt_config=None, device="cuda"):
@@ -356,13 +356,13 @@ def print_plan(cfg):
               f"{cfg.gpu_memory:g} GiB" + ("" if fits(estimate, card) else ": try -B auto"))
 
 
-def largest_batch(config, gib, scale, loss_kind, world_size=1):
+def largest_micro_batch(config, gib, scale, loss_kind, world_size=1):
     """The largest micro-batch of 1024 positions whose plan, compiled in bfloat16 with the loss of
     loss_kind, fits a GPU of gib GiB (fits), or 0."""
-    compute, batch = Compute(2, True, loss_kind), 0
-    while batch < 512 and fits(plan(config, batch + 1, 1024, scale, world_size, compute), gib * GiB):
-        batch += 1
-    return batch
+    compute, micro_batch = Compute(2, True, loss_kind), 0
+    while micro_batch < 512 and fits(plan(config, micro_batch + 1, 1024, scale, world_size, compute), gib * GiB):
+        micro_batch += 1
+    return micro_batch
 
 
 def preset_model(name):
@@ -377,7 +377,7 @@ def preset_model(name):
 def presets_table(gpus=(24, 40, 80), world_size=8):
     """Markdown: for each preset, what -B auto picks on one GPU, and the largest micro-batch per GPU
     under DDP and FSDP, without and with full recompute, compiled in bfloat16, with the preset's
-    loss on a GPU (fused, --loss auto's there) and batch."""
+    loss on a GPU (fused, --loss auto's there) and total batch."""
     ways = [("DDP", dict(), 1), ("DDP, recompute full", dict(recompute="full"), 1),
             (f"FSDP ×{world_size}", dict(fsdp=True), world_size),
             (f"FSDP ×{world_size}, recompute full", dict(fsdp=True, recompute="full"), world_size)]
@@ -388,10 +388,10 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
         total = read_config(preset_path(name)).get("total_batch_size", BatchConfig().total_batch_size)
         run = TrainConfig(model=config, batch=BatchConfig(total))
         for gib in gpus:
-            batches = [pick_micro_batch(run, 1, gib * GiB, Compute(2, True, loss_kind)) or "—"]
-            batches += [largest_batch(config, gib, ScaleConfig(**levers), loss_kind, ranks) or "—"
-                        for _, levers, ranks in ways]
-            lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, batches)) + " |")
+            micro_batches = [pick_micro_batch(run, 1, gib * GiB, Compute(2, True, loss_kind)) or "—"]
+            micro_batches += [largest_micro_batch(config, gib, ScaleConfig(**levers), loss_kind, ranks) or "—"
+                              for _, levers, ranks in ways]
+            lines.append(f"| {name} | {n_params(config) / 1e6:,.0f}M | {gib} GB | " + " | ".join(map(str, micro_batches)) + " |")
     return "\n".join(lines)
 
 

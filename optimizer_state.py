@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_files import plain_state_dict
 from inputs import brief
-from optimizers import saved_parts, torch_optimizers
+from optimizers import saved_states_of, torch_optimizers
 
 
 def saved_optimizer_problem(raw_model, optimizer, saved):
@@ -20,12 +20,12 @@ def saved_optimizer_problem(raw_model, optimizer, saved):
     a bool. A sharded checkpoint's are read as the dtype the optimizer holds, or refused
     (dcp_reader). What load leaves is checked after it (optimizer_state_problem)."""
     names = parameter_names(raw_model)
-    for part, saved_part in saved_parts(optimizer, saved):
+    for inner, saved_inner in saved_states_of(optimizer, saved):
         # Matched as torch's load matches them: the saved ids, in group order, to this run's parameters.
-        saved_ids = [i for group in saved_part["param_groups"] for i in group["params"]]
-        params = [p for group in part.param_groups for p in group["params"]]
+        saved_ids = [i for group in saved_inner["param_groups"] for i in group["params"]]
+        params = [p for group in inner.param_groups for p in group["params"]]
         for i, param in zip(saved_ids, params):
-            for key, value in saved_part["state"].get(i, {}).items():
+            for key, value in saved_inner["state"].get(i, {}).items():
                 problem = saved_value_problem(key, value, param)
                 if problem:
                     return f"the state of {names[id(param)]}: {key} {problem}"
@@ -49,11 +49,11 @@ def keyed_by_name(raw_model, optimizer, saved):
     settings."""
     names = parameter_names(raw_model)
     by_name = {"state": {}, "param_groups": []}
-    for part, saved_part in saved_parts(optimizer, saved):
-        order = [names[id(p)] for group in part.param_groups for p in group["params"]]
-        by_name["state"].update({order[i]: s for i, s in saved_part["state"].items()})
+    for inner, saved_inner in saved_states_of(optimizer, saved):
+        order = [names[id(p)] for group in inner.param_groups for p in group["params"]]
+        by_name["state"].update({order[i]: s for i, s in saved_inner["state"].items()})
         by_name["param_groups"] += [{**g, "params": [order[i] for i in g["params"]]}
-                                    for g in with_run_settings(saved_part["param_groups"], part)]
+                                    for g in with_run_settings(saved_inner["param_groups"], inner)]
     return by_name
 
 
@@ -64,8 +64,8 @@ def load_optimizer_state(optimizer, saved):
     AdamW's kernel (a run saved on a CPU resumes with the fused AdamW on a GPU, and back). The
     settings go into the saved groups before loading: load_state_dict places each `step` counter
     by them (fused and capturable kernels read it as float32 on the parameter's device)."""
-    for part, saved_part in saved_parts(optimizer, saved):
-        part.load_state_dict({**saved_part, "param_groups": with_run_settings(saved_part["param_groups"], part)})
+    for inner, saved_inner in saved_states_of(optimizer, saved):
+        inner.load_state_dict({**saved_inner, "param_groups": with_run_settings(saved_inner["param_groups"], inner)})
 
 
 def with_run_settings(saved_groups, optimizer):
@@ -86,9 +86,9 @@ def optimizer_state_problem(raw_model, optimizer):
     and device), to fail at the first step or train on from NaN. The param groups' settings are
     this run's own (with_run_settings), checked as its flags are."""
     names = parameter_names(raw_model)
-    for part in torch_optimizers(optimizer):
-        for param in (p for group in part.param_groups for p in group["params"]):
-            for key, value in part.state.get(param, {}).items():
+    for inner in torch_optimizers(optimizer):
+        for param in (p for group in inner.param_groups for p in group["params"]):
+            for key, value in inner.state.get(param, {}).items():
                 problem = state_value_problem(key, value, param)
                 if problem:
                     return f"the state of {names.get(id(param), 'a parameter')}: {key} {problem}"

@@ -13,7 +13,7 @@ AdamW, in configure_optimizers' two groups.
 
 Under FSDP2 (--fsdp 1) the matrices are DTensors: torch.optim.Muon's Newton-Schulz matmuls are
 DTensor ops, which DTensor carries out across the ranks, so 2 ranks step as one process does.
-The trainer then has sharding.py split c_attn over the ranks by columns, so that its q, k and v
+The trainer then has fsdp.py split c_attn over the ranks by columns, so that its q, k and v
 row blocks are views of each rank's slice.
 
 The schedule: set_lr sets each param group's lr to the schedule's lr(step) times the group's own
@@ -66,8 +66,8 @@ class OptimizerConfig:
 
 def muon_params(raw_model):
     """The weights Muon takes: the four matrices of every Block, in the model's order."""
-    return [getattr(getattr(block, part.split(".")[0]), part.split(".")[1]).weight
-            for block in raw_model.transformer.h for part in MUON_MATRICES]
+    return [getattr(getattr(block, matrix.split(".")[0]), matrix.split(".")[1]).weight
+            for block in raw_model.transformer.h for matrix in MUON_MATRICES]
 
 
 class MuonAdamW:
@@ -79,56 +79,56 @@ class MuonAdamW:
     name = "muon"
 
     def __init__(self, adamw, muon):
-        self.parts = {"adamw": adamw, "muon": muon}
+        self.children = {"adamw": adamw, "muon": muon}
 
     @property
     def adamw(self):
-        return self.parts["adamw"]
+        return self.children["adamw"]
 
     @property
     def muon(self):
-        return self.parts["muon"]
+        return self.children["muon"]
 
     @property
     def param_groups(self):
-        return [group for part in self.parts.values() for group in part.param_groups]
+        return [group for child in self.children.values() for group in child.param_groups]
 
     @property
     def state(self):
         return {**self.adamw.state, **self.muon.state}
 
     def zero_grad(self, set_to_none=True):
-        for part in self.parts.values():
-            part.zero_grad(set_to_none=set_to_none)
+        for child in self.children.values():
+            child.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MuonAdamW.step takes no closure")
-        for part in self.parts.values():
-            part.step()
+        for child in self.children.values():
+            child.step()
 
     def state_dict(self):
-        return {name: part.state_dict() for name, part in self.parts.items()}
+        return {name: child.state_dict() for name, child in self.children.items()}
 
     def load_state_dict(self, state_dict):
         """Each child from its own entry (optimizer_state.load_optimizer_state also keeps this run's
         settings in every group)."""
-        for name, part in self.parts.items():
-            part.load_state_dict(state_dict[name])
+        for name, child in self.children.items():
+            child.load_state_dict(state_dict[name])
 
 
 def torch_optimizers(optimizer):
     """The torch.optim optimizers that optimizer is made of (for torch.distributed.checkpoint's
     state dict functions, which take several): a MuonAdamW's AdamW and Muon, else itself."""
-    return tuple(optimizer.parts.values()) if isinstance(optimizer, MuonAdamW) else (optimizer,)
+    return tuple(optimizer.children.values()) if isinstance(optimizer, MuonAdamW) else (optimizer,)
 
 
-def saved_parts(optimizer, saved):
+def saved_states_of(optimizer, saved):
     """[(torch optimizer, its state dict)] for each of torch_optimizers(optimizer), from saved, a
-    state_dict() of optimizer's kind. KeyError where saved lacks a part."""
+    state_dict() of optimizer's kind. KeyError where saved lacks a child's."""
     if isinstance(optimizer, MuonAdamW):
-        return [(part, saved[name]) for name, part in optimizer.parts.items()]
+        return [(child, saved[name]) for name, child in optimizer.children.items()]
     return [(optimizer, saved)]
 
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import devices
 import distributed
-import sharding
+import fsdp
 from devices import autocast, synchronize
 from distributed import RunError
 from loss import pick_loss
@@ -79,15 +79,15 @@ def build_trainable(raw_model, device, config, init=None):
     """The Trainable of a GPT, as config (a StepConfig) says: on device, DDP-wrapped across ranks,
     then compiled in config.compile_mode; compiling the DDP wrapper, not the model inside it, lets
     dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket overlaps the backward of
-    the rest. Or, with config.scale.fsdp, sharded over the ranks (see sharding.py), and built on the meta
+    the rest. Or, with config.scale.fsdp, sharded over the ranks (see fsdp.py), and built on the meta
     device when init is its recorded initialisation. Then config.optimizer over the parameters or
     their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
     own (train_gpt2.build_model). config is settled for device (StepConfig.settle): nothing auto."""
     dtype = config.dtype
     if config.scale.fsdp:
-        model = sharding.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
+        model = fsdp.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
         if init is not None:
-            sharding.materialize(raw_model, init, device)
+            fsdp.materialize(raw_model, init, device)
     else:
         model = raw_model
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -105,9 +105,9 @@ def build_trainable(raw_model, device, config, init=None):
 
 # ----------------------------------------------------------------------------- the step
 
-def to_device(batch, device):
+def to_device(tokens, device):
     # From pinned host memory the copy runs asynchronously, overlapping the GPU's work.
-    return batch.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else batch.to(device)
+    return tokens.pin_memory().to(device, non_blocking=True) if device.startswith("cuda") else tokens.to(device)
 
 
 @dataclass
@@ -202,7 +202,7 @@ def optimizer_step(trainable, loss_sum, lr):
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
     trainable.scaler.unscale_(trainable.optimizer)
-    norm = sharding.clip_grad_norm(trainable.raw_model.parameters(), trainable.step_config.optimizer.grad_clip)
+    norm = fsdp.clip_grad_norm(trainable.raw_model.parameters(), trainable.step_config.optimizer.grad_clip)
     loss_sum, norm = torch.stack([loss_sum, norm]).tolist()
     loss = loss_sum / distributed.world_size()
     if norm == 0 and math.isfinite(loss):  # no correct configuration gives an exact 0: refused before it steps
@@ -232,9 +232,9 @@ def train_step_fitting(trainable, loader, lr, stop_requested=no_stop, halve=True
         ddp = trainable.ddp()
         if ddp is not None:  # its last forward readied an all-reduce no backward will start
             ddp.reducer._reset_state()
-        batch = loader.B
-        loader.resize(batch // 2)
+        micro_batch = loader.B
+        loader.resize(micro_batch // 2)
         if trainable.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller batch needs other sizes
-        log(f"micro-batch {batch} -> {loader.B}, {loader.micro_steps(trainable.step_config.tokens_per_step)} "
+            torch.cuda.empty_cache()  # the failed step's blocks, cached: a smaller micro-batch needs other sizes
+        log(f"micro-batch {micro_batch} -> {loader.B}, {loader.micro_steps(trainable.step_config.tokens_per_step)} "
             f"micro-steps per step")

@@ -3,7 +3,7 @@ its help and, in its class's __post_init__, its check. TrainConfig() is the GPT-
 
 train_gpt2.py's command line is made from these fields (add_flags): a field with help is the flag
 --NAME (metadata "flag" names another, "short" adds one such as -B), of its annotated type, in a
-group of its part. A preset, a --config file and the flags override the defaults, in that order.
+group of its section. A preset, a --config file and the flags override the defaults, in that order.
 To add a setting, add a field here (or to GPTConfig or OptimizerConfig, which own theirs) with
 setting(default, help), and check it in __post_init__: the flag, --help, config files, the
 checkpoint's record of the run (flags()) and from_flags follow."""
@@ -255,7 +255,7 @@ class TrainConfig:
     @classmethod
     def from_flags(cls, values):
         """The config of the flags' values by name (vars() of the parsed flags, or flags()).
-        ValueError, naming the flag, for a value its part's check refuses."""
+        ValueError, naming the flag, for a value its section's check refuses."""
         return build(cls, values)
 
     def flags(self):
@@ -289,7 +289,7 @@ def parse_args(argv=None, description=None):
         parser.set_defaults(**parser.config_defaults(named.config, not_keys=("preset", "config")))
     try:
         return TrainConfig.from_flags(vars(parser.parse_args(argv)))
-    except ValueError as e:  # a part's own check
+    except ValueError as e:  # a section's own check
         parser.error(str(e))
 
 
@@ -297,29 +297,30 @@ def flag_name(f):
     return f.metadata.get("flag", f.name)
 
 
-def parts(kind):
-    """(field, its part's class or None) of each field of a config class, in order."""
+def sections(kind):
+    """(field, its section's class or None) of each field of a config class, in order: a section
+    is a config within the config (TrainConfig.batch, .schedule, ...), one argument group."""
     for f in fields(kind):
         default = f.default_factory() if callable(f.default_factory) else f.default
         yield f, type(default) if is_dataclass(default) else None
 
 
 def flag_values(config):
-    """(field, value) of each flag of config, its parts' included, in declaration order."""
-    for f, part in parts(type(config)):
-        if part is not None:
+    """(field, value) of each flag of config, its sections' included, in declaration order."""
+    for f, section in sections(type(config)):
+        if section is not None:
             yield from flag_values(getattr(config, f.name))
         elif "help" in f.metadata:
             yield f, getattr(config, f.name)
 
 
 def build(kind, values):
-    """A kind (TrainConfig or one of its parts) of the flags' values by name. Every float is
+    """A kind (TrainConfig or one of its sections) of the flags' values by name. Every float is
     finite: inf would train on, to fail only at the end."""
     kwargs = {}
-    for f, part in parts(kind):
-        if part is not None:
-            kwargs[f.name] = build(part, values)
+    for f, section in sections(kind):
+        if section is not None:
+            kwargs[f.name] = build(section, values)
         elif "help" in f.metadata:
             value = values[flag_name(f)]
             if isinstance(value, float) and not math.isfinite(value):
@@ -333,14 +334,14 @@ def build(kind, values):
 
 def add_flags(parser, config=None):
     """The flags of a TrainConfig's fields, config's values (default: TrainConfig()) their defaults,
-    in one argument group per part; and the retired flags, each refused in one line."""
+    in one argument group per section; and the retired flags, each refused in one line."""
     config = TrainConfig() if config is None else config
     for name, meant in RETIRED_FLAGS.items():
         parser.add_argument(f"--{name}", action=Retired, instead=f"the loss is one setting, --loss "
                                                                  f"{'|'.join(('auto',) + LOSSES)}; --{name} 1 was {meant}")
-    for f, part in parts(type(config)):
-        if part is not None:
-            group = parser.add_argument_group(f.name, " ".join(part.__doc__.split()).split(". ")[0].rstrip("."))
+    for f, section in sections(type(config)):
+        if section is not None:
+            group = parser.add_argument_group(f.name, " ".join(section.__doc__.split()).split(". ")[0].rstrip("."))
             for sub, value in flag_values(getattr(config, f.name)):
                 add_flag(group, sub, value)
         elif "help" in f.metadata:

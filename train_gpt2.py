@@ -25,7 +25,7 @@ import generate
 import hellaswag
 import logdir
 import memory
-import sharding
+import fsdp
 import train_config
 from atomic import remove_if_unused
 from checkpoint import CheckpointError, Checkpointer, training_parts
@@ -141,7 +141,7 @@ def start_processes(cfg):
 def build_model(cfg, device, log):
     """(the GPT, init): random, or the weights of anything load_model takes, whose architecture (not
     dropout) then wins. Under FSDP a random one is built on the meta device, to be materialized one
-    parameter at a time from init, its recorded initialisation (see sharding.py); init is None else.
+    parameter at a time from init, its recorded initialisation (see fsdp.py); init is None else.
     On a CPU, with a forecast of the run's length."""
     torch.manual_seed(cfg.runtime.seed)
     devices.allow_tf32()
@@ -159,7 +159,7 @@ def build_model(cfg, device, log):
         if note := replaced_settings(cfg, raw_model.config):
             log(note)
     elif cfg.scale.fsdp:
-        raw_model, init = sharding.build_on_meta(cfg.model, **options)
+        raw_model, init = fsdp.build_on_meta(cfg.model, **options)
     else:
         raw_model = GPT(cfg.model, **options).to(device)
     if problem := seq_len_problem(cfg.batch.seq_len, raw_model.config.block_size, "the model's block_size"):
@@ -378,7 +378,7 @@ def hellaswag_accuracy(trainable, examples, rank, world_size):
     evaluation mode: its shapes change from batch to batch, which would recompile a compiled one."""
     model = trainable.raw_model
     scoring = hellaswag.ScoringConfig(trainable.device, dtype=trainable.step_config.dtype, progress=rank == 0)
-    with devices.evaluating(model), sharding.root_gathered(model):
+    with devices.evaluating(model), fsdp.root_gathered(model):
         return hellaswag.accuracy_over_ranks(model, examples, scoring, rank, world_size)
 
 
@@ -386,7 +386,7 @@ def sample_texts(trainable, seed):
     """Samples of SAMPLE_PROMPT from the plain module in evaluation mode (a preview: under the
     training autocast). Generation calls hidden_states, not forward: FSDP's root is gathered by hand."""
     model = trainable.raw_model
-    with devices.evaluating(model), trainable.forward_context(), sharding.root_gathered(model):
+    with devices.evaluating(model), trainable.forward_context(), fsdp.root_gathered(model):
         return generate.preview(model, SAMPLE_PROMPT, seed, trainable.device)
 
 

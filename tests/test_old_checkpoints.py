@@ -42,7 +42,7 @@ def test_a_checkpoint_of_de4c38f_resumes_as_de4c38f_resumed_it(shards, tmp_path,
     assert "this run's flags win over the checkpoint's: decay_steps 2 -> 4\n" in first
     with open(os.path.join(OLD, "resumed.json")) as f:
         assert numbers(read_log(tmp_path / "first")) == pytest.approx(numbers(json.load(f)[name]), rel=REL, abs=0)
-    if ranks == 1:  # on 2 ranks tests/test_sharding.py resumes exactly; a torchrun more costs tens of seconds
+    if ranks == 1:  # on 2 ranks tests/test_fsdp.py resumes exactly; a torchrun more costs tens of seconds
         (step_3,) = [entry for entry in os.listdir(tmp_path / "first") if entry.startswith("ckpt_000003")]
         resume(shards, tmp_path / "again", capsys, ranks, *flags, "--resume", tmp_path / "first" / step_3)
         assert numbers(read_log(tmp_path / "again")) == {

@@ -1,4 +1,4 @@
-"""sharding.py, through --fsdp 1 on CPU with gloo: FSDP2 training equals one process, the
+"""fsdp.py, through --fsdp 1 on CPU with gloo: FSDP2 training equals one process, the
 meta-device init equals the eager one, and sharded checkpoints resume exactly on the same and on
 other numbers of ranks."""
 import json
@@ -136,14 +136,14 @@ META_INIT = """
 import sys
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
-import distributed, sharding
+import distributed, fsdp
 from model import GPT, GPTConfig
 dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven slices
 torch.manual_seed(7)
-model, init = sharding.build_on_meta(config)
-sharding.apply_fsdp(model, torch.float32)
-sharding.materialize(model, init, "cpu")
+model, init = fsdp.build_on_meta(config)
+fsdp.apply_fsdp(model, torch.float32)
+fsdp.materialize(model, init, "cpu")
 after = torch.get_rng_state()
 torch.manual_seed(7)
 eager = GPT(config)
