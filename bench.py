@@ -48,7 +48,7 @@ from cli import Parser
 from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
 from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from distributed import RunError
-from loss import LOSSES, pick_loss
+from loss import LOSSES, has_triton, pick_loss
 from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
 from optimizers import OptimizerConfig
 from step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
@@ -372,12 +372,12 @@ def train_runs(args, compile_model, device_type, with_levers=True):
 
 def levers_that_apply(compile_model, device_type):
     """Compile is only switched off where the project compiles, fused AdamW where it is used (CUDA);
-    a loss where it is not the project's own (--loss auto's pick), the fused one on CUDA; the opt-in
-    levers are CUDA's, and all but cuDNN attention are compile's."""
+    a loss where it is not the project's own (--loss auto's pick), the fused one on CUDA with Triton;
+    the opt-in levers are CUDA's, and all but cuDNN attention are compile's."""
     on_cuda = device_type == "cuda"
     own_loss = pick_loss("auto", device_type)
     applies = {"compile": compile_model, "fused_adamw": on_cuda, "cudnn_attention": on_cuda,
-               **{f"{kind}_loss": kind != own_loss and (kind != "fused" or on_cuda) for kind in LOSSES},
+               **{f"{kind}_loss": kind != own_loss and (kind != "fused" or on_cuda and has_triton()) for kind in LOSSES},
                **{lever: on_cuda and compile_model for lever in ("max_autotune", "cuda_graphs", "coordinate_descent")}}
     return [lever for lever in ALL_LEVERS if applies.get(lever, True)]
 

@@ -33,11 +33,16 @@ CHUNK = 8192  # positions whose logits the buffer holds at once: 824 MB in bf16 
 BLOCK = 8192  # columns a Triton program reads at once, 16 a thread in 16 warps (untuned)
 
 
+def has_triton():
+    """Whether Triton is installed, for the fused loss's kernel."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def pick_loss(requested, device_type, triton=None):
     """The loss --loss names (one of LOSSES, or auto) on device_type: auto is fused on CUDA where
     Triton imports, else masked. ValueError, one line, for a fused loss that cannot run here.
-    triton: whether Triton imports (default: asked of this machine)."""
-    triton = importlib.util.find_spec("triton") is not None if triton is None else triton
+    triton: whether Triton imports (default: has_triton())."""
+    triton = has_triton() if triton is None else triton
     if requested == "auto":
         return "fused" if device_type == "cuda" and triton else "masked"
     if requested == "fused":

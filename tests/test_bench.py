@@ -1,5 +1,4 @@
 """bench.py in its tiny configuration: a complete table and JSON, never a speed."""
-import functools
 import gzip
 import json
 import os
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import bench
+import loss
 import step_profile
 from helpers import disk_full, exit_message, file_size_limit, run_script
 from model import ATTENTION_KERNELS, GPT, GPTConfig, n_params
@@ -259,12 +259,15 @@ def test_levers_named_are_timed_in_the_tables_order(monkeypatch):
     assert bench.train_runs(args, compile_model=False, device_type="cpu") == [
         ("project", None), ("baseline", None), ("project", "-padded_vocab"), ("project", "+chunked_loss"),
         ("project", "+recompute_full")]
-    monkeypatch.setattr(bench, "pick_loss", functools.partial(bench.pick_loss, triton=True))  # CUDA's torch brings it
-    on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
-    assert [lever for _, lever in on_cuda[2:]] == ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention",
-                                                   "+masked_loss", "+chunked_loss", "+recompute_full", "+recompute_attn",
-                                                   "+recompute_core_attn", "+cudnn_attention", "+max_autotune",
-                                                   "+cuda_graphs", "+coordinate_descent"]
+    cuda_levers = ["-compile", "-fused_adamw", "-padded_vocab", "-flash_attention", "+masked_loss", "+chunked_loss",
+                   "+recompute_full", "+recompute_attn", "+recompute_core_attn", "+cudnn_attention", "+max_autotune",
+                   "+cuda_graphs", "+coordinate_descent"]
+    for triton in (True, False):  # CUDA's torch brings Triton; without it the project's loss is the masked one
+        monkeypatch.setattr(loss, "has_triton", lambda: triton)
+        monkeypatch.setattr(bench, "has_triton", lambda: triton)
+        on_cuda = bench.train_runs(bench.parse_args(["--quick", "--device", "cpu", "--levers"]), True, "cuda")
+        expected = cuda_levers if triton else [lever for lever in cuda_levers if lever != "+masked_loss"]
+        assert [lever for _, lever in on_cuda[2:]] == expected  # never +fused_loss: it is the default, or cannot run
 
 
 def test_coordinate_descent_tuning_is_on_for_its_run_only(tmp_path, monkeypatch):
