@@ -424,23 +424,25 @@ def never_ending_inputs(tmp_path):
             "huge": str(tmp_path / "huge")}
 
 
-class OneBatch:
-    """A loader that gives the same batch every time, in one process."""
-    def __init__(self, x, y):
-        self.batch = x, y
-        self.B, self.T = x.shape
-        self.tokens_per_index = x.numel()
+class FixedBatches:
+    """A loader that serves the same batches in the same order, for two runs to compare."""
 
-    def next_batch(self):
-        return self.batch
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+        self.B, self.T = batches[0][0].shape
+        self.tokens_per_index = batches[0][0].numel()
 
     def micro_steps(self, tokens_per_step):
         from data import ShardLoader
 
-        return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of this one's batch
+        return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of these batches
+
+    def next_batch(self):
+        self.i += 1
+        return self.batches[(self.i - 1) % len(self.batches)]
 
     def state_dict(self):
-        return {}
+        return {"i": self.i}
 
     def load_state_dict(self, state):
-        pass
+        self.i = state["i"]

@@ -7,8 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import train_gpt2
-from data import ShardLoader
-from helpers import TINY, read_log, run_torchrun, train_records, write_token_shards
+from helpers import TINY, FixedBatches, read_log, run_torchrun, train_records, write_token_shards
 from loss import LOSSES
 from model import GPT, GPTConfig
 from step import StepConfig, build_trainable, train_step
@@ -30,28 +29,6 @@ def batch(B=4, T=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, N_VOCAB, (B, T + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]  # on the CPU: the loader's batches, which train_step moves
-
-
-class FixedBatches:
-    """A loader that serves the same batches in the same order, for two runs to compare."""
-
-    def __init__(self, batches):
-        self.batches, self.i = batches, 0
-        self.B, self.T = batches[0][0].shape
-        self.tokens_per_index = batches[0][0].numel()
-
-    def micro_steps(self, tokens_per_step):
-        return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of these batches
-
-    def next_batch(self):
-        self.i += 1
-        return self.batches[(self.i - 1) % len(self.batches)]
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, state):
-        self.i = state["i"]
 
 
 def losses_of(compile_mode, loss="masked", steps=3):

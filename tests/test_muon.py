@@ -18,7 +18,7 @@ import train_gpt2
 from checkpoint_files import OneFileCheckpoint
 from data import ShardLoader, list_shards
 from faults import Faults
-from helpers import (TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run, error_of, file_size_limit,
+from helpers import (TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run, error_of, file_size_limit,
                      final_weights, listdir, parts_of, read_log, run_torchrun, train, train_records)
 from model import GPT, GPTConfig
 from step import StepConfig, build_trainable, train_step
@@ -98,7 +98,7 @@ def test_a_muon_step_equals_torchs_muon_and_adamw_applied_by_hand():
                                       lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=False)
     x, y = batch()
     for lr in (1e-3, 3e-3, 2e-3):
-        result = train_step(t, OneBatch(x, y), lr)
+        result = train_step(t, FixedBatches([(x, y)]), lr)
         reference.zero_grad()
         loss = reference(x, y)[1]
         loss.backward()
@@ -130,7 +130,7 @@ def test_the_default_adamw_path_is_plain_adamw_unchanged():
     assert all("lr_scale" not in g for g in t.optimizer.param_groups)
     x, y = batch()
     for lr in (1e-3, 3e-3, 2e-3):
-        train_step(t, OneBatch(x, y), lr)
+        train_step(t, FixedBatches([(x, y)]), lr)
         by_hand.zero_grad()
         reference(x, y)[1].backward()
         for group in by_hand.param_groups:
@@ -148,7 +148,7 @@ def test_a_non_finite_step_leaves_both_optimizers_untouched_also_under_fp16_loss
         before = [p.detach().clone() for p in model.parameters()]
         t = trainable(model, "muon", scaler=scaler)
         Faults([("nan", 0, None)], 0, model, range(1)).before_step(0)  # --fault nan@0: the loss made NaN
-        assert train_step(t, OneBatch(x, y), 3e-3).skipped  # the trainer's own skip
+        assert train_step(t, FixedBatches([(x, y)]), 3e-3).skipped  # the trainer's own skip
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert not t.optimizer.muon.state and not t.optimizer.adamw.state
     # Under fp16 loss scaling an overflow in a gradient is the scaler's to skip: one in a matrix
@@ -157,7 +157,7 @@ def test_a_non_finite_step_leaves_both_optimizers_untouched_also_under_fp16_loss
     before = [p.detach().clone() for p in model.parameters()]
     t = trainable(model, "muon", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda grad: grad * float("inf"))
-    result = train_step(t, OneBatch(x, y), 3e-3)
+    result = train_step(t, FixedBatches([(x, y)]), 3e-3)
     assert not result.skipped and not torch.isfinite(torch.tensor(result.grad_norm))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not t.optimizer.muon.state and not t.optimizer.adamw.state and t.scaler.get_scale() == 512.0
@@ -171,7 +171,7 @@ def test_fp16_loss_scaling_unscales_both_optimizers_gradients():
     for scaler in (torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu", init_scale=1024.0)):
         model = tiny_model()
         t = trainable(model, "muon", scaler=scaler, grad_clip=1.0)
-        results.append([train_step(t, OneBatch(x, y), 3e-3) for _ in range(2)])
+        results.append([train_step(t, FixedBatches([(x, y)]), 3e-3) for _ in range(2)])
         weights.append([p.detach().clone() for p in model.parameters()])
     assert [r.grad_norm for r in results[1]] == pytest.approx([r.grad_norm for r in results[0]], rel=1e-5)
     assert not any(r.skipped for r in results[1])

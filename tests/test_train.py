@@ -21,7 +21,7 @@ import train_config
 import train_gpt2
 from checkpoint_files import OneFileCheckpoint, load_checkpoint
 from data import ShardLoader, list_shards, write_shard
-from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, OneBatch, as_checkpoint, assert_same_run,
+from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run,
                      error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
                      run_script, run_torchrun, save_as_checkpoint, torchrun_root_cause, train, train_records,
                      write_jsonl, write_token_shards)
@@ -621,7 +621,7 @@ def test_gradients_are_unscaled_then_clipped_and_the_norm_before_clipping_is_log
         optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3, grad_clip=grad_clip), "cpu")
         t = Trainable(model, model, optimizer, scaler, "cpu",
                                  StepConfig(torch.float32, 2 * 32, optimizer=OptimizerConfig(grad_clip=grad_clip)))
-        result = train_step(t, OneBatch(x[:, :-1], x[:, 1:]), lr=0.0)
+        result = train_step(t, FixedBatches([(x[:, :-1], x[:, 1:])]), lr=0.0)
         assert result.loss == pytest.approx(loss) and not result.skipped
         return result.grad_norm, torch.cat([p.grad.flatten() for p in model.parameters()])
 
