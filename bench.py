@@ -36,24 +36,23 @@ import torch
 import torch._inductor.config
 from torch.nn import functional as F
 
-import devices
 import fineweb
-import generate
 import hellaswag
-import memory
-import peers
-import step_profile
-from atomic import atomic_open
-from cli import Parser
-from data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
-from devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
-from distributed import RunError
-from loss import LOSSES, has_triton, pick_loss
+from gpt2repro.benchmark import peers, step_profile
+from gpt2repro.common import devices
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.cli import Parser
+from gpt2repro.common.devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
+from gpt2repro.common.distributed import RunError
+from gpt2repro.lm import generate
+from gpt2repro.lm.data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
+from gpt2repro.lm.loss import LOSSES, has_triton, pick_loss
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
+from gpt2repro.training import memory
+from gpt2repro.training.optimizers import OptimizerConfig
+from gpt2repro.training.step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
+from gpt2repro.training.train_config import TrainConfig, split_problem
 from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
-from optimizers import OptimizerConfig
-from step import StepConfig, StepOutOfMemory, build_trainable, train_step, train_step_fitting
-from tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
-from train_config import TrainConfig, split_problem
 
 PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)

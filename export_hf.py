@@ -21,11 +21,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
-from cli import Parser
-from dcp_reader import CheckpointError
-from inputs import first_line
-from loading import load_model_on
-from tokenizer import EOT, N_VOCAB, get_encoding
+from gpt2repro.common.cli import Parser
+from gpt2repro.common.inputs import first_line
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
+from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.loading import load_model_on
 
 EOT_TEXT = "<|endoftext|>"
 CHECK_TEXT = "Hello, I'm a language model, and I can't wait to see 3.14159 ünïcödé   spaces!"

@@ -32,12 +32,13 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet as pq
 
-from atomic import CannotClaim, atomic_open, claim_directory, remove_if_unused
-from cli import Parser, preset_path, read_config
-from data import SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of, write_shard
-from inputs import UnreadableFile, parse_json, read_text
-from progress import progress_meter
-from tokenizer import BPE_SHA256, EOT, get_encoding
+from gpt2repro.common.atomic import CannotClaim, atomic_open, claim_directory, remove_if_unused
+from gpt2repro.common.cli import Parser, preset_path, read_config
+from gpt2repro.common.inputs import UnreadableFile, parse_json, read_text
+from gpt2repro.common.progress import progress_meter
+from gpt2repro.lm.data import (SHARD_DTYPE, SPLITS, TINY_SHAKESPEARE, Shard, list_shards, shard_name, split_of,
+                               write_shard)
+from gpt2repro.lm.tokenizer import BPE_SHA256, EOT, get_encoding
 
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 VERSIONS = {"10B": "sample-10BT", "100B": "sample-100BT"}

@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-import fsdp
+from gpt2repro.training import fsdp
 
-from atomic import atomic_open
-from cli import Parser
-from dcp_reader import CheckpointError
-from devices import autocast, pick_dtype
-from distributed import every_rank
-from inputs import UnreadableFile, brief, open_regular, read_lines
-from loading import check_source, load_model_on
-from progress import progress_meter
-from tokenizer import get_encoding, gpt2_vocab_problem
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.cli import Parser
+from gpt2repro.common.devices import autocast, pick_dtype
+from gpt2repro.common.distributed import every_rank
+from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines
+from gpt2repro.common.progress import progress_meter
+from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
+from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.loading import check_source, load_model_on
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/"
 URL_ENV = "HELLASWAG_URL"  # overrides URL: a mirror, or a local folder as file:///... (the tests)

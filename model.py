@@ -12,11 +12,11 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-import generate
-from inputs import brief
-from loss import LOSSES, chunked_cross_entropy, masked_cross_entropy
-from settings import setting
-from tokenizer import N_VOCAB
+from gpt2repro.common.inputs import brief
+from gpt2repro.common.settings import setting
+from gpt2repro.lm import generate
+from gpt2repro.lm.loss import LOSSES, chunked_cross_entropy, masked_cross_entropy
+from gpt2repro.lm.tokenizer import N_VOCAB
 
 
 @dataclass

@@ -16,13 +16,13 @@ from dataclasses import asdict
 
 import torch
 
-from atomic import atomic_open
-from cli import Parser
-from dcp_reader import CheckpointError
-from generate import GenerationConfig, generate_stream, left_pad
-from inputs import UnreadableFile, read_lines, read_text
-from loading import load_model_on
-from tokenizer import EOT, get_encoding
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.cli import Parser
+from gpt2repro.common.inputs import UnreadableFile, read_lines, read_text
+from gpt2repro.lm.generate import GenerationConfig, generate_stream, left_pad
+from gpt2repro.lm.tokenizer import EOT, get_encoding
+from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.loading import load_model_on
 
 DECODE_NAMES = {"sampling": "sampling", "greedy": "greedy", "beam": "beam",
                 "greedy_search": "greedy", "beam_search": "beam"}  # and PaddleFleetX's names

@@ -18,31 +18,29 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import devices
-import distributed
 import fineweb
-import generate
 import hellaswag
-import logdir
-import memory
-import fsdp
-import train_config
-from atomic import remove_if_unused
-from checkpoint import CheckpointError, Checkpointer, training_parts
-from checkpoint_files import list_checkpoints
-from cli import print_error, tell_torchrun
-from data import ShardError, ShardLoader, list_shards
-from devices import peak_flops
-from distributed import RunError, agree, on_every_rank
-from faults import Faults
-from inputs import first_line
-from loading import check_run_sources, load_model, replaced_settings
-from logdir import MetricsLog
+from gpt2repro.common import devices, distributed
+from gpt2repro.common.atomic import remove_if_unused
+from gpt2repro.common.cli import print_error, tell_torchrun
+from gpt2repro.common.devices import peak_flops
+from gpt2repro.common.distributed import RunError, agree, on_every_rank
+from gpt2repro.common.inputs import first_line
+from gpt2repro.lm import generate
+from gpt2repro.lm.data import ShardError, ShardLoader, list_shards
+from gpt2repro.lm.tokenizer import gpt2_vocab_problem
+from gpt2repro.runs import logdir
+from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, training_parts
+from gpt2repro.runs.checkpoint_files import list_checkpoints
+from gpt2repro.runs.loading import check_run_sources, load_model, replaced_settings
+from gpt2repro.runs.logdir import MetricsLog
+from gpt2repro.training import fsdp, memory, train_config
+from gpt2repro.training.faults import Faults
+from gpt2repro.training.optimizers import current_muon_lr, describe
+from gpt2repro.training.step import (StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device,
+                                     train_step_fitting)
+from gpt2repro.training.train_config import TrainConfig, seq_len_problem
 from model import ATTENTION_KERNELS, GPT, n_params
-from optimizers import current_muon_lr, describe
-from step import StepConfig, StepOutOfMemory, Trainable, build_trainable, to_device, train_step_fitting
-from tokenizer import gpt2_vocab_problem
-from train_config import TrainConfig, seq_len_problem
 
 SAMPLE_PROMPT = "Hello, I'm a language model,"
 # Parameters from which a model takes seconds to build on a host (minutes for GPT-2 XL's 1.5B): said

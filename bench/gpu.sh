@@ -47,7 +47,7 @@ part() {  # part NAME: its commands, each under run; the first four get their wh
     PART=$1
     case $1 in
     probe)
-        run probe 10 python3 peers.py
+        run probe 10 python3 -m gpt2repro.benchmark.peers
         run probe 30 python3 bench.py --parts matmul ;;
     cuda-tests)
         run cuda-tests 120 python3 -m pytest -m cuda -p no:cacheprovider -o addopts= -v -rA --durations=0 ;;

@@ -69,7 +69,7 @@ def write_token_shards(directory, n_train=3, tokens_per_shard=12_000, n_val=4_00
     model's loss falls within a few steps. Returns the list of paths, val first."""
     import numpy as np
 
-    from data import shard_name, write_shard
+    from gpt2repro.lm.data import shard_name, write_shard
 
     rng = np.random.default_rng(seed)
     bank = [rng.integers(0, vocab, rng.integers(8, 17)) for _ in range(8)]
@@ -141,7 +141,7 @@ def make_tiny_gpt(vocab_size=50304, block_size=64, seed=0):
 def make_eot_gpt(block_size=64):
     """make_tiny_gpt's model made to end its texts often: every hidden state leans along e, and
     so does <|endoftext|>'s output row, so its logit is near the best one in many contexts."""
-    from tokenizer import EOT
+    from gpt2repro.lm.tokenizer import EOT
 
     model = make_tiny_gpt(vocab_size=50304, block_size=block_size)
     e = torch.randn(32, generator=torch.Generator().manual_seed(1))
@@ -164,15 +164,15 @@ def parts_of(model, optimizer, scaler, loader):
     """checkpoint.training_parts of a run of model, optimizer, scaler and loader."""
     from types import SimpleNamespace
 
-    from checkpoint import training_parts
+    from gpt2repro.runs.checkpoint import training_parts
 
     return training_parts(SimpleNamespace(raw_model=model, optimizer=optimizer, scaler=scaler), loader)
 
 
 def as_checkpoint(parts, step, flags):
     """What a one-file checkpoint of parts at step holds, with flags (TrainConfig.flags()) as its record."""
-    from checkpoint import checkpoint_record
-    from checkpoint_files import checkpoint_contents
+    from gpt2repro.runs.checkpoint import checkpoint_record
+    from gpt2repro.runs.checkpoint_files import checkpoint_contents
 
     return checkpoint_contents(parts, checkpoint_record(parts, step, flags))
 
@@ -204,7 +204,7 @@ def exit_message(capsys, main, *argv):
 
 def listdir(path):
     """os.listdir(path) but for the lock file of a directory one process writes at a time."""
-    from atomic import LOCK_NAME
+    from gpt2repro.common.atomic import LOCK_NAME
     return [name for name in os.listdir(path) if name != LOCK_NAME]
 
 
@@ -244,7 +244,7 @@ def train_records(records):
 
 
 def final_weights(log_dir, step):
-    from checkpoint_files import load_checkpoint
+    from gpt2repro.runs.checkpoint_files import load_checkpoint
 
     return load_checkpoint(os.path.join(log_dir, f"ckpt_{step:06d}.pt")).state["model"]
 
@@ -433,7 +433,7 @@ class FixedBatches:
         self.tokens_per_index = batches[0][0].numel()
 
     def micro_steps(self, tokens_per_step):
-        from data import ShardLoader
+        from gpt2repro.lm.data import ShardLoader
 
         return ShardLoader.micro_steps(self, tokens_per_step)  # the loader's own count, of these batches
 

@@ -18,11 +18,11 @@ import pytest
 
 import fineweb
 import train_gpt2
-import atomic
-from atomic import LOCK_NAME, claim_directory
-from helpers import (DOCS, REPO, TINY, error_of, exit_message, file_size_limit, listdir, make_tiny_gpt, save_as_checkpoint,
-                      write_docs_jsonl)
-from data import Shard, ShardError, write_shard
+from gpt2repro.common import atomic
+from gpt2repro.common.atomic import LOCK_NAME, claim_directory
+from gpt2repro.lm.data import Shard, ShardError, write_shard
+from helpers import (DOCS, REPO, TINY, error_of, exit_message, file_size_limit, listdir, make_tiny_gpt,
+                     save_as_checkpoint, write_docs_jsonl)
 
 
 def test_a_second_trainer_on_a_log_dir_is_refused_naming_the_first(tmp_path, capsys):
@@ -49,7 +49,7 @@ def test_a_second_fineweb_on_an_output_dir_is_refused_and_writes_nothing(tmp_pat
 
 
 def test_the_lock_dies_with_its_holder_even_by_sigkill(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {REPO!r}); import atomic; "
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {REPO!r}); from gpt2repro.common import atomic; "
                                f"lock = atomic.claim_directory({str(tmp_path)!r}, 'x'); print(flush=True); input()"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     holder.stdout.readline()  # it holds the lock now
@@ -146,7 +146,7 @@ def test_a_log_dir_or_output_dir_that_cannot_be_written_is_one_line(tmp_path, mo
 
 
 def test_a_lock_whose_pid_cannot_be_written_is_refused(tmp_path):
-    claim = (f"import sys; sys.path.insert(0, {REPO!r}); import atomic\n"
+    claim = (f"import sys; sys.path.insert(0, {REPO!r}); from gpt2repro.common import atomic\n"
              f"try: atomic.claim_directory({str(tmp_path)!r}, 'x')\n"
              f"except Exception as e: print(type(e).__name__, e)")
     result = subprocess.run([sys.executable, "-c", claim], capture_output=True, text=True, timeout=60,
@@ -257,16 +257,16 @@ def test_atomic_open_never_replaces_what_is_not_a_regular_file(tmp_path, kind):
 def test_no_script_replaces_a_device_named_as_its_output(tmp_path, capsys):
     """--json /dev/null, as a user might write to discard the results, is refused before any work:
     replaced by a file, /dev/null would be broken for the whole machine."""
-    import checkpoint
-    import checkpoint_files
+    import checkpoint as converter
     import hellaswag
     import sample
+    from gpt2repro.runs import checkpoint_files
     device = not_a_regular_file(tmp_path, "device")
     (tmp_path / "sharded").mkdir()
     (tmp_path / "sharded" / checkpoint_files.TRAIN_STATE).write_bytes(b"")
     scripts = {"sample.py": (sample.main, ["--prompt", "x", "--json", device]),
                "hellaswag.py": (hellaswag.main, ["--json", device]),
-               "checkpoint.py": (checkpoint.main, [tmp_path / "sharded", device])}
+               "checkpoint.py": (converter.main, [tmp_path / "sharded", device])}
     for script, (main, argv) in scripts.items():
         flag = "out" if script == "checkpoint.py" else "--json"
         assert exit_message(capsys, main, *argv) == \

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import bench
-import loss
-import step_profile
+from gpt2repro.benchmark import step_profile
+from gpt2repro.lm import loss
 from helpers import disk_full, exit_message, file_size_limit, run_script
 from model import ATTENTION_KERNELS, GPT, GPTConfig, n_params
 
@@ -304,7 +304,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
     step.build_trainable made, with the levers of the variant; the baseline, at a micro-batch
     too large for the device, halves it and accumulates twice as often: the same tokens per step
     (--quick's default: two micro-batches of -B), halved as the trainer halves it (train_step_fitting)."""
-    from step import StepOutOfMemory, build_trainable, no_stop, train_step
+    from gpt2repro.training.step import StepOutOfMemory, build_trainable, no_stop, train_step
 
     built, stepped, flash = [], [], []
 
@@ -325,7 +325,7 @@ def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monke
         if t.raw_model.config.vocab_size == 50257 and built[-1][1]["attention"] == "math" and loader.B > 2:
             raise StepOutOfMemory  # the baseline does not fit: as the step says on a device too small
         return train_step(t, loader, lr, stop_requested)
-    monkeypatch.setattr("step.train_step", step)
+    monkeypatch.setattr("gpt2repro.training.step.train_step", step)
     results = []
     bench.bench_train(bench.parse_args(["--quick", "-B", "8", "--levers"]), "cpu", str(tmp_path), results.append)
     batch = [r["config"].split(" float32")[0].split(" ", 2)[2] for r in results]
@@ -375,7 +375,7 @@ def test_train_times_the_trainers_step_with_its_gradient_accumulation(tmp_path, 
 
 
 def test_the_gpu_size_steps_the_trainers_default_total_batch():
-    import train_config
+    from gpt2repro.training import train_config
 
     cfg = bench.train_sizes(bench.parse_args(["--device", "cpu", "--parts", "matmul"]), "cuda")
     assert cfg["total_batch_size"] == train_config.build_parser().get_default("total_batch_size")
@@ -630,7 +630,7 @@ def test_gpu_sh_runs_its_parts_in_the_order_of_what_each_proves_or_those_named(t
     done, calls = run_gpu_sh(tmp_path)
     assert done.returncode == 0, done.stderr
     assert calls == [call for part in GPU_PARTS for call in expected[part]]
-    assert expected["probe"] == ["peers.py", "bench.py --parts matmul"]
+    assert expected["probe"] == ["-m gpt2repro.benchmark.peers", "bench.py --parts matmul"]
     assert expected["cuda-tests"][0].endswith("-m cuda -p no:cacheprovider -o addopts= -v -rA --durations=0")
     assert " -B 64,128 " in expected["default"][0] and expected["default"][0].split("--levers ")[1].startswith(
         "masked_loss ")

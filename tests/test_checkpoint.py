@@ -11,16 +11,15 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_files
-import loading
-import optimizer_state
+import checkpoint as converter
 import export_hf
 import hellaswag
 import sample
-from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of, exit_message,
-                      make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun, said_errors,
-                      save_as_checkpoint, train, write_jsonl)
+from gpt2repro.runs import checkpoint, checkpoint_files, loading, optimizer_state
+from gpt2repro.training.optimizers import build_optimizer
+from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of,
+                     exit_message, make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun, said_errors,
+                     save_as_checkpoint, train, write_jsonl)
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -75,7 +74,7 @@ def readers(ckpt, tmp_path):
     """Each script that reads a model, as a call that exits with its one-line error."""
     examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
     return {
-        "checkpoint.py": (checkpoint.main, [ckpt, tmp_path / "out.pt"]),
+        "checkpoint.py": (converter.main, [ckpt, tmp_path / "out.pt"]),
         "hellaswag.py": (hellaswag.main, ["-m", ckpt, "--data", examples, "--device", "cpu"]),
         "sample.py": (sample.main, ["--model", ckpt, "--device", "cpu", "--max_new_tokens", "1"]),
         "export_hf.py": (export_hf.main, [ckpt, tmp_path / "hf"]),
@@ -128,7 +127,7 @@ def test_plain_data_entries_are_read_with_weights_only(copy, sharded_run, shards
     (ckpt / "payload.distcp").write_bytes(pickle.dumps(WritesAFile(str(marker))))
     declare_bytes(ckpt, "optimizer.param_groups.0.lr", ckpt / "payload.distcp")
     expected = "refused: its entry optimizer.param_groups.0.lr is not plain data"
-    assert expected in exit_message(capsys, checkpoint.main, ckpt, tmp_path / "out.pt")
+    assert expected in exit_message(capsys, converter.main, ckpt, tmp_path / "out.pt")
     assert expected in error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", ckpt)
     assert not marker.exists()
     # --resume auto passes over it, with a warning, and trains on from step 2 as if never stopped.
@@ -208,7 +207,7 @@ def test_older_checkpoints_load_and_a_recorded_dropout_gives_way_to_the_runs(cop
     with_dropout(copy / "ckpt_000004", None)
     assert torch.equal(loading.load_model(str(copy / "ckpt_000004"))(idx)[0], expected)
     one_file = tmp_path / "one_file.pt"
-    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    converter.main([str(copy / "ckpt_000004"), str(one_file)])
     assert "dropout" not in torch.load(one_file)["config"]  # the record, converted as it is
     assert torch.equal(loading.load_model(str(one_file))(idx)[0], expected)
     with_dropout(copy / "ckpt_000002", None)
@@ -317,7 +316,7 @@ def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_res
     for kind in kinds:
         source = copy / "ckpt_000004"
         if kind == "one-file":
-            checkpoint.main([str(source), str(tmp_path / "one_file.pt")])
+            converter.main([str(source), str(tmp_path / "one_file.pt")])
             source = tmp_path / "one_file.pt"
         ckpt = with_nest(source, field, tmp_path / f"nested_{kind}")
         runs = [("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *RUN, "--resume", ckpt)]
@@ -338,7 +337,7 @@ def test_a_checkpoint_value_endless_to_print_is_one_line_in_every_reader_and_res
 
 def test_a_metadata_file_past_its_bound_is_refused_unread(copy, tmp_path, capsys, monkeypatch):
     """The bound (1 GiB) lowered below this checkpoint's .metadata: only as much as the bound is read."""
-    import dcp_reader
+    from gpt2repro.runs import dcp_reader
     ckpt = copy / "ckpt_000004"
     monkeypatch.setattr(dcp_reader, "MAX_METADATA_BYTES", os.path.getsize(ckpt / ".metadata") - 1)
     assert_every_reader_refuses(ckpt, tmp_path, capsys, f"{ckpt / '.metadata'}: more than ")
@@ -375,7 +374,7 @@ def test_without_a_network_a_hub_model_is_one_line_at_once(tmp_path):
 
 def stepped_optimizer(model, config):
     """optimizers.build_optimizer(model, config) after one step, so that it holds state to save."""
-    from optimizers import build_optimizer
+    from gpt2repro.training.optimizers import build_optimizer
     optimizer = build_optimizer(model, config, "cpu")
     model(torch.arange(16).view(1, 16), torch.arange(1, 17).view(1, 16))[1].backward()
     optimizer.step()
@@ -387,12 +386,12 @@ def stepped_optimizer(model, config):
 def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_learned(tmp_path, name, sharded):
     """load_state_dict would restore every saved group's settings: weight decay 0.1 would train on
     under --weight_decay 0, and Muon's momentum 0.9 under --muon_momentum 0.5."""
-    from optimizers import OptimizerConfig, torch_optimizers
+    from gpt2repro.training.optimizers import OptimizerConfig, torch_optimizers
     model = GPT(GPTConfig(**TINY_CONFIG))
     saved = stepped_optimizer(model, OptimizerConfig(name, 1e-3, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.9,
                                                      muon_weight_decay=0.1))
     run = OptimizerConfig(name, 2e-3, weight_decay=0.0, muon_lr=0.05, muon_momentum=0.5, muon_weight_decay=0.0)
-    resumed = checkpoint.build_optimizer(model, run, "cpu")
+    resumed = build_optimizer(model, run, "cpu")
     part = checkpoint.OptimizerPart(model, resumed)
     if sharded:
         save_sharded(tmp_path / "ckpt", model, saved, {})
@@ -483,7 +482,7 @@ def test_a_bad_random_state_of_one_rank_stops_every_rank_with_one_line(copy, sha
     stops with the same line, said once, and none is left waiting (the run ends within the timeout)."""
     bad, problem = BAD_RNG[case].values
     one_file = tmp_path / "ckpt_000004.pt"
-    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    converter.main([str(copy / "ckpt_000004"), str(one_file)])
     state = torch.load(one_file)
     torch.save({**state, "rng": bad(state["rng"][0])}, one_file)
     ckpt = as_sharded(one_file, tmp_path / "ckpt_000004") if kind == "sharded" else one_file
@@ -515,7 +514,7 @@ def test_non_finite_weights_are_refused_naming_the_padding_rows_when_only_they_h
 def tampered(optimizer, name, key, change):
     """optimizer with change(value) in place of its state's key of the parameter name (every
     parameter's, for name None)."""
-    from optimizers import torch_optimizers
+    from gpt2repro.training.optimizers import torch_optimizers
     for part in torch_optimizers(optimizer):
         for param, state in part.state.items():
             if key in state and (name is None or param is name):
@@ -542,13 +541,13 @@ def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_
     """Moments or a momentum buffer of another dtype (torch's load would cast a bool's to 0s and 1s
     and train on), a negative mean of squares, a step counter that is a bool: each format refuses
     them, as the trainer's resume reads them (OptimizerPart), naming the parameter or the entry."""
-    from optimizers import OptimizerConfig, muon_params
+    from gpt2repro.training.optimizers import OptimizerConfig, muon_params
     model = GPT(GPTConfig(**TINY_CONFIG))
     param = muon_params(model)[0] if kind == "muon" else model.transformer.wte.weight
     name = "transformer.h.0.attn.c_attn.weight" if kind == "muon" else "transformer.wte.weight"
     config = OptimizerConfig(kind, 1e-3, 0.1)
     saved = tampered(stepped_optimizer(model, config), None if every else param, key, change)
-    part = checkpoint.OptimizerPart(model, checkpoint.build_optimizer(model, config, "cpu"))
+    part = checkpoint.OptimizerPart(model, build_optimizer(model, config, "cpu"))
     with pytest.raises(checkpoint.CheckpointError) as e, checkpoint_files.restoring("ckpt_000004.pt", "optimizer"):
         part.load_state_dict(saved.state_dict())
     assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
@@ -645,7 +644,7 @@ def test_a_loader_position_its_shards_never_reach_is_refused_naming_the_checkpoi
     position before or past the shards, or an epoch of inf (an OverflowError traceback)."""
     ckpt = copy / "ckpt_000002"
     if kind == "one-file":
-        checkpoint.main([str(ckpt), str(tmp_path / "one_file.pt")])
+        converter.main([str(ckpt), str(tmp_path / "one_file.pt")])
         ckpt = tmp_path / "one_file.pt"
     edited = edited_state(ckpt, lambda state: state["train_loader"].update(position), tmp_path / "edited")
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "new", *RUN, "--resume", edited)
@@ -682,7 +681,7 @@ def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_re
 def test_a_resumed_model_that_is_not_finite_stops_every_fsdp_rank_with_one_line(copy, shards, tmp_path, kind):
     """Under FSDP each rank holds a slice of the weights: the one that holds the NaN, and the other, stop alike."""
     one_file = tmp_path / "ckpt_000004.pt"
-    checkpoint.main([str(copy / "ckpt_000004"), str(one_file)])
+    converter.main([str(copy / "ckpt_000004"), str(one_file)])
     state = torch.load(one_file)
     state["model"]["transformer.wte.weight"][200, 3] = float("nan")  # rank 1's rows of 256
     torch.save(state, one_file)
@@ -711,7 +710,7 @@ def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_bes
     flags = checkpoint.recorded_flags(checkpoint_files.load_checkpoint(str(copy / "ckpt_000004")).state)
     ckpt = edited_state(copy / "ckpt_000004", lambda state: state.update(args={**flags, "max_lr": 1.0}),
                         tmp_path / "both")
-    checkpoint.main([str(ckpt), str(tmp_path / "out.pt")])
+    converter.main([str(ckpt), str(tmp_path / "out.pt")])
     converted = checkpoint_files.load_checkpoint(str(tmp_path / "out.pt")).state
     assert converted["flags"] == flags and "args" not in converted
 
@@ -719,8 +718,8 @@ def test_the_conversion_writes_the_flags_that_readers_read_not_an_older_args_bes
 def test_the_conversion_replaces_an_existing_file_only_with_force(copy, tmp_path, capsys):
     out = tmp_path / "ckpt_000004.pt"
     out.write_bytes(b"a checkpoint of the user's")
-    assert exit_message(capsys, checkpoint.main, copy / "ckpt_000004", out) == \
+    assert exit_message(capsys, converter.main, copy / "ckpt_000004", out) == \
         f"checkpoint.py: error: {out} exists (use --force to replace it)"
     assert out.read_bytes() == b"a checkpoint of the user's"
-    checkpoint.main([str(copy / "ckpt_000004"), str(out), "--force"])
+    converter.main([str(copy / "ckpt_000004"), str(out), "--force"])
     assert checkpoint_files.load_checkpoint(str(out)).state["step"] == 4

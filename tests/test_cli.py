@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-import cli
-import train_config
 import train_gpt2
-from cli import MAX_CONFIG_BYTES, preset_names
+from gpt2repro.common import cli
+from gpt2repro.common.cli import MAX_CONFIG_BYTES, preset_names
+from gpt2repro.training import train_config
 from helpers import REPO, error_of, exit_message, one_line_error, run_bounded
 
 
@@ -26,7 +26,7 @@ def test_a_config_sets_defaults_that_flags_override(tmp_path):
     cfg = train_gpt2.parse_args(["--preset", "demo", "--config", config, "--log_dir", "y"])
     assert (cfg.model.n_layer, cfg.optimizer.max_lr, cfg.runtime.device, cfg.plan, cfg.log_dir) == (3, 1.0, "cpu", True, "y")
     assert isinstance(cfg.optimizer.max_lr, float)
-    assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(train_config.HERE, "data", "shakespeare")  # the preset's
+    assert cfg.model.n_embd == 128 and cfg.data_dir == os.path.join(REPO, "data", "shakespeare")  # the preset's
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -166,7 +166,7 @@ def script_parser(script, monkeypatch):
     """The parser that script's main() builds, caught as it parses: every script's is a cli.Parser."""
     import importlib
 
-    import cli
+    from gpt2repro.common import cli
     parsers = []
 
     def capture(self, args=None, namespace=None):
@@ -183,7 +183,7 @@ def script_parser(script, monkeypatch):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_scripts_help_says_what_each_flag_does_and_its_default(script, monkeypatch):
     """Every flag has help text, and --help shows its default (cli.HelpWithDefaults) unless it has none."""
-    import cli
+    from gpt2repro.common import cli
     parser = script_parser(script, monkeypatch)
     assert isinstance(parser.formatter_class(prog="x"), cli.HelpWithDefaults)
     missing = [action.option_strings or action.dest for action in parser._actions if not action.help]
@@ -217,7 +217,7 @@ def test_an_infinite_rate_or_decay_is_refused_from_a_flag_or_a_file(tmp_path, ca
 PRESETS_AS_ASKED = """
 import os, sys
 sys.path.insert(0, {repo!r})
-import cli
+from gpt2repro.common import cli
 cli.CONFIG_DIR = {configs!r}
 import train_gpt2
 train_gpt2.main(sys.argv[1:])
@@ -260,7 +260,7 @@ def test_the_trainer_refuses_an_abbreviated_flag_in_one_line(capsys):
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, capsys):
     import io
 
-    import progress
+    from gpt2repro.common import progress
     from tqdm import tqdm
 
     class Terminal(io.StringIO):
@@ -283,7 +283,8 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(monkeypatch, 
 
 TOO_OLD = "error: this code needs torch>=2.9 (found {}): pip install -U torch"
 # The scripts that use torch; each must stop on an old torch before it reads a flag.
-SCRIPTS = ["train_gpt2.py", "bench.py", "checkpoint.py", "export_hf.py", "hellaswag.py", "memory.py", "sample.py"]
+TORCH_SCRIPTS = ["train_gpt2.py", "bench.py", "checkpoint.py", "export_hf.py", "hellaswag.py", "sample.py",
+                 "gpt2repro/training/memory.py"]
 # Run as `python -c` with the script's arguments: torch as found, then its version made older.
 OLD_TORCH = """
 import runpy, sys
@@ -316,7 +317,7 @@ def test_every_script_stops_on_an_old_torch_with_one_line_and_exit_code_1():
     """In one process per script, torch.__version__ set to 2.8 before the script runs: exit code 1,
     the one line on stderr and nothing else (no traceback), before any argument is read: not
     even --help's text reaches stdout."""
-    for script in SCRIPTS:
+    for script in TORCH_SCRIPTS:
         result = subprocess.run([sys.executable, "-c", OLD_TORCH.format(repo=REPO), os.path.join(REPO, script), "--help"],
                                 cwd=REPO, capture_output=True, text=True, timeout=120)
         assert (script, result.returncode, result.stdout, result.stderr) == \

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2repro.lm.data import Shard, ShardError, ShardLoader, list_shards, shard_name, write_shard
 from helpers import REPO
-from data import Shard, ShardError, ShardLoader, list_shards, shard_name, write_shard
 
 
 def stream_loader(tmp_path, sizes, B, T, world_size, rank):
@@ -75,7 +75,7 @@ FEW_DESCRIPTORS = """
 import resource, sys
 import numpy as np, torch
 sys.path.insert(0, {repo!r})
-from data import ShardLoader
+from gpt2repro.lm.data import ShardLoader
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 loader = ShardLoader(sys.argv[1:], B=2, T=8, shuffle=False)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import devices
+from gpt2repro.common import devices
 from helpers import REPO, one_line_error, run_script
 
 
@@ -47,7 +47,7 @@ def test_only_cpu_cuda_and_mps_are_picked_and_a_missing_mps_is_one_short_line(mo
 
 
 def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):
-    from devices import pick_dtype
+    from gpt2repro.common.devices import pick_dtype
     for capability, dtype in [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
                               ((9, 0), torch.bfloat16)]:  # V100, T4: bf16 is only emulated there
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -62,7 +62,7 @@ def test_dtype_auto_is_bf16_only_on_gpus_with_bf16_tensor_cores(monkeypatch):
 
 
 def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
-    from devices import peak_flops
+    from gpt2repro.common.devices import peak_flops
     names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
              "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
              "NVIDIA L4": 121e12, "NVIDIA A10": 125e12, "NVIDIA GeForce RTX 4090": 165e12,
@@ -76,7 +76,8 @@ def test_mfu_peak_is_the_named_gpus_and_unknown_gpus_have_none(monkeypatch):
 def test_allow_tf32_sets_high_precision_and_warns_nothing():
     """In a process of its own: torch 2.9 warns once a process, in three lines, at the first
     get or set of the matmul precision."""
-    code = ("import warnings; warnings.simplefilter('error'); import devices, torch; devices.allow_tf32(); "
+    code = ("import warnings; warnings.simplefilter('error'); import torch; from gpt2repro.common import devices; "
+            "devices.allow_tf32(); "
             "warnings.resetwarnings(); print(torch.get_float32_matmul_precision())")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "high\n", "")
@@ -150,7 +151,7 @@ def test_the_cpu_allocators_failure_under_a_memory_limit_is_out_of_memory():
     """Under ulimit -v (here 1 GiB past what the process maps) torch's CPU allocator fails with a
     plain RuntimeError, not torch.OutOfMemoryError: is_out_of_memory takes it as one, and no other
     RuntimeError, so the trainer halves -B auto or stops in one line rather than in a traceback."""
-    code = ("import os, resource, torch, devices\n"
+    code = ("import os, resource, torch\nfrom gpt2repro.common import devices\n"
             "mapped = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
             "resource.setrlimit(resource.RLIMIT_AS, (mapped + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))\n"
             "try:\n"

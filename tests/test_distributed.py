@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint_files
-import distributed
-from data import write_shard
+from gpt2repro.common import distributed
+from gpt2repro.common.distributed import RunError, agree, every_rank, on_every_rank
+from gpt2repro.lm.data import write_shard
+from gpt2repro.runs import checkpoint_files
 from helpers import REPO, TINY, run_torchrun, said_errors, torchrun_root_cause, write_token_shards
-from distributed import RunError, agree, every_rank, on_every_rank
 
 
 def test_in_one_process_every_rank_is_this_one_and_agree_raises_its_error():
@@ -44,8 +44,8 @@ NON_FINITE_ON_RANK_1 = """
 import math, os, sys
 sys.path.insert(0, {repo!r})
 import torch
-import checkpoint
 import train_gpt2
+from gpt2repro.runs import checkpoint
 real_save = checkpoint.Checkpointer.save
 
 
@@ -124,7 +124,7 @@ GLOO_THREADS_AT_EXIT = """
 import gc, os, sys
 import torch
 sys.path.insert(0, {repo!r})
-import distributed
+from gpt2repro.common import distributed
 gc.disable()  # a collection at some arbitrary moment must not be what frees the DDP wrapper
 threads = lambda: len(os.listdir("/proc/self/task"))
 torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()  # any thread torch itself keeps is started

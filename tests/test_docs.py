@@ -10,7 +10,7 @@ from helpers import REPO
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 # A path of the repository's own: a script, module or test, a config, a doc, a results file.
-REPO_PATH = re.compile(r"`((?:tests|docs|configs|bench/results|data)/[\w./-]+|[\w-]+\.(?:py|toml))`")
+REPO_PATH = re.compile(r"`((?:gpt2repro|tests|docs|configs|bench/results|data)/[\w./-]+|[\w-]+\.(?:py|toml))`")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 WRITTEN_BY_RUNS = {"data/shakespeare/"}  # the demo's shards: named, but made by the first run
 PLACEHOLDERS = ("*", "NAME", "GPU-DATE")  # paths that stand for a user's own

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipeline
 
 import export_hf
-from loading import load_model
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
+from gpt2repro.runs.loading import load_model
 from helpers import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
 from model import GPT, GPTConfig
-from tokenizer import EOT, N_VOCAB, get_encoding
 
 HELLO = "Hello, I'm a language model,"
 TRICKY = [

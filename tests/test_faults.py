@@ -11,19 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_files
-import cli
-import loading
-import logdir
-import memory
 import train_gpt2
-from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, disk_full, error_of, file_size_limit,
-                      final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log, run_cli,
-                      run_torchrun, said_errors, train, train_records, write_jsonl, write_token_shards)
-from data import write_shard
+from gpt2repro.common import cli
+from gpt2repro.lm.data import write_shard
+from gpt2repro.runs import checkpoint, checkpoint_files, loading, logdir
+from gpt2repro.training import memory
+from gpt2repro.training.train_config import ScaleConfig
+from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, disk_full, error_of,
+                     file_size_limit, final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log,
+                     run_cli, run_torchrun, said_errors, train, train_records, write_jsonl, write_token_shards)
 from model import GPTConfig, n_params
-from train_config import ScaleConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
 LONG = [*RUN, "--max_steps", "40"]
@@ -87,7 +84,8 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes_exactly(shards, uninterru
 SIGNALLED_WHILE_RESTORING = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-import checkpoint, train_gpt2
+import train_gpt2
+from gpt2repro.runs import checkpoint
 restore_parts = checkpoint.restore_parts
 def restore_once_signalled(*args):
     print("restoring: waiting for the signal", flush=True)
@@ -395,7 +393,8 @@ def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
 ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {repo!r})
-import checkpoint, hellaswag, train_gpt2
+import hellaswag, train_gpt2
+from gpt2repro.runs import checkpoint
 if os.environ["RANK"] == "1":
     {patch}
 train_gpt2.main()

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import fineweb
-from fineweb import ShardingJob
 from bench import baseline_tokenize
+from fineweb import ShardingJob
+from gpt2repro.lm.data import Shard, shard_name
+from gpt2repro.lm.tokenizer import EOT, get_encoding
 from helpers import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
-from data import Shard, shard_name
-from tokenizer import EOT, get_encoding
 
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare.txt")
 def stream_of(docs):
@@ -89,7 +89,7 @@ def test_building_the_tokenizer_writes_nothing_to_the_temporary_directory(tmp_pa
     empty = tmp_path / "tmp"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
-    code = "from tokenizer import get_encoding; print(get_encoding().encode_ordinary('Hello world'))"
+    code = "from gpt2repro.lm.tokenizer import get_encoding; print(get_encoding().encode_ordinary('Hello world'))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "TMPDIR": str(empty)},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -171,7 +171,7 @@ def test_runs_where_torch_cannot_be_imported(tmp_path):
 
 
 def test_progress_lines_where_no_terminal_shows_a_bar(tmp_path, monkeypatch, capsys):
-    import progress
+    from gpt2repro.common import progress
     monkeypatch.setattr(progress, "PROGRESS_EVERY", 0)  # a line at every chunk of tokens
     corpus = write_docs_jsonl(tmp_path / "c.jsonl", DOCS)
     assert fineweb.main(["--input", corpus, "--shard_size", "50", "--num_proc", "1", "--prefix", "t",

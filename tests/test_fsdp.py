@@ -9,12 +9,11 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_files
-import loading
+import checkpoint as converter
 import hellaswag
+from gpt2repro.runs import checkpoint, checkpoint_files, loading
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
-                      exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
+                     exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]
 
@@ -79,7 +78,7 @@ def test_fsdp_evaluates_hellaswag_and_samples_as_one_process(evaluated_runs):
 
 def test_a_sharded_checkpoint_and_its_one_file_conversion_score_alike(evaluated_runs, tmp_path):
     _, (fsdp_dir, fsdp), examples = evaluated_runs
-    checkpoint.main([str(fsdp_dir / "ckpt_000002"), str(tmp_path / "converted.pt")])
+    converter.main([str(fsdp_dir / "ckpt_000002"), str(tmp_path / "converted.pt")])
     scores = []
     for model in (fsdp_dir / "ckpt_000002", tmp_path / "converted.pt"):
         hellaswag.main(["-m", str(model), "--data", examples, "--json", str(tmp_path / "score.json"), "--device", "cpu"])
@@ -136,7 +135,8 @@ META_INIT = """
 import sys
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
-import distributed, fsdp
+from gpt2repro.common import distributed
+from gpt2repro.training import fsdp
 from model import GPT, GPTConfig
 dist.init_process_group("gloo")
 config = GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=24)  # 100 rows: uneven slices
@@ -166,7 +166,7 @@ def test_a_model_built_on_the_meta_device_gets_the_weights_built_in_one_process(
 
 def test_sharded_checkpoint_errors_are_one_line_and_run_nothing(evaluated_runs, tmp_path, capsys):
     _, (fsdp_dir, _), _ = evaluated_runs
-    assert exit_message(capsys, checkpoint.main, fsdp_dir / "log.jsonl", tmp_path / "x.pt") == (
+    assert exit_message(capsys, converter.main, fsdp_dir / "log.jsonl", tmp_path / "x.pt") == (
         f"checkpoint.py: error: {fsdp_dir / 'log.jsonl'}: not a sharded checkpoint (no train_state.pt)")
     crafted = tmp_path / "ckpt_000002"
     shutil.copytree(fsdp_dir / "ckpt_000002", crafted)
@@ -180,7 +180,7 @@ def test_sharded_checkpoint_errors_are_one_line_and_run_nothing(evaluated_runs, 
         loading.load_model(str(crafted))
     assert not (tmp_path / "ran").exists()
     os.remove(crafted / ".metadata")
-    assert "incomplete sharded checkpoint (no .metadata)" in exit_message(capsys, checkpoint.main, crafted, tmp_path / "x.pt")
+    assert "incomplete sharded checkpoint (no .metadata)" in exit_message(capsys, converter.main, crafted, tmp_path / "x.pt")
     assert not (tmp_path / "x.pt").exists()
 
 

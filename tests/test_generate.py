@@ -10,10 +10,10 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 import export_hf
-import generate
+from gpt2repro.lm import generate
+from gpt2repro.lm.generate import GenerationConfig, left_pad
+from gpt2repro.lm.tokenizer import EOT
 from helpers import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
-from generate import GenerationConfig, left_pad
-from tokenizer import EOT
 
 LENGTHS = (5, 9, 2, 7)
 

@@ -7,11 +7,11 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import train_gpt2
+from gpt2repro.lm.loss import LOSSES
+from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
+from gpt2repro.training.step import StepConfig, build_trainable, train_step
 from helpers import TINY, FixedBatches, read_log, run_torchrun, train_records, write_token_shards
-from loss import LOSSES
 from model import GPT, GPTConfig
-from step import StepConfig, build_trainable, train_step
-from tokenizer import N_VOCAB, PADDED_VOCAB
 
 pytestmark = pytest.mark.cuda
 CONFIG = GPTConfig(block_size=256, vocab_size=PADDED_VOCAB, n_layer=2, n_head=4, n_embd=128)

@@ -11,13 +11,13 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
+from gpt2repro.common.inputs import MAX_LINE_CHARS
+from gpt2repro.lm.tokenizer import N_VOCAB, get_encoding
+from gpt2repro.runs.loading import load_model
 from hellaswag import HellaSwagError, ScoringConfig, count_correct, load_examples, read_examples, score_batches
 from helpers import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
                      write_jsonl)
-from inputs import MAX_LINE_CHARS
-from loading import load_model
 from model import GPT, GPTConfig
-from tokenizer import N_VOCAB, get_encoding
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory):
@@ -181,7 +181,7 @@ def test_rank_shares_add_up_to_the_whole(tiny, examples):
 
 
 def test_scoring_prints_progress_lines_where_no_terminal_shows_a_bar(tiny, examples, monkeypatch, capsys):
-    import progress
+    from gpt2repro.common import progress
     monkeypatch.setattr(progress, "PROGRESS_EVERY", 0)  # a line at every batch
     counts = count_correct(tiny, examples, ScoringConfig("cpu", batch_size=2, progress=True))
     lines = capsys.readouterr().err.splitlines()

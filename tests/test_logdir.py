@@ -9,8 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-import checkpoint_files
-import logdir
+from gpt2repro.runs import checkpoint_files, logdir
 from helpers import error_of, listdir, read_log, train
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import train_gpt2
+from gpt2repro.lm.loss import chunked_cross_entropy, masked_cross_entropy, pick_loss
+from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
 from helpers import (REPO, TINY, TRITON, assert_same_run, interpreted, listdir, needs_triton, one_line_error, read_log,
                      train)
-from loss import chunked_cross_entropy, masked_cross_entropy, pick_loss
 from model import GPT, GPTConfig
-from tokenizer import N_VOCAB, PADDED_VOCAB
 
 CONFIG = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB, n_layer=2, n_head=2, n_embd=32)
 # Each loss as a pytest parameter: the fused one only where its kernel can run here.
@@ -303,7 +303,7 @@ def test_the_kernel_compiles_for_a_hopper_gpu():
     """What the interpreter does not check: Triton's compiler takes the kernel, for sm_90, in
     training (bf16, fp16) and in evaluation (float32, no gradients). Run without a GPU, in a
     process of its own: Triton decides at import whether its functions are interpreted or compiled."""
-    code = ("import triton, loss\n"
+    code = ("import triton\nfrom gpt2repro.lm import loss\n"
             "from triton.backends.compiler import GPUTarget\n"
             "from triton.compiler import ASTSource\n"
             "for dtype, with_grads in (('*bf16', True), ('*fp16', True), ('*fp32', False)):\n"

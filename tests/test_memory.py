@@ -9,17 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import devices
-import loss
-import memory
 import train_gpt2
-from cli import preset_names
-from checkpoint import recorded_flags
-from checkpoint_files import load_checkpoint
+from gpt2repro.common import devices
+from gpt2repro.common.cli import preset_names
+from gpt2repro.lm import loss
+from gpt2repro.lm.tokenizer import N_VOCAB
+from gpt2repro.runs.checkpoint import recorded_flags
+from gpt2repro.runs.checkpoint_files import load_checkpoint
+from gpt2repro.training import memory
+from gpt2repro.training.train_config import ScaleConfig
 from helpers import REPO, TINY, error_of, exit_message, interpreted, run_script, train
-from model import GPT, GPTConfig, RECOMPUTE, n_params
-from tokenizer import N_VOCAB
-from train_config import ScaleConfig
+from model import GPT, RECOMPUTE, GPTConfig, n_params
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)
 
@@ -242,7 +242,7 @@ def test_the_docs_table_is_what_memory_py_prints(capsys):
 def test_memory_py_refuses_arguments_in_one_line(capsys):
     """It takes none: a flag such as --n_layer 48 would otherwise be ignored, the table printed as if it were read."""
     assert exit_message(capsys, memory.main, "--n_layer", "48") == \
-        "memory.py: error: unrecognized arguments: --n_layer 48 (see --help)"
+        "gpt2repro.training.memory: error: unrecognized arguments: --n_layer 48 (see --help)"
 
 
 def planned(capsys, *flags):

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpt2repro.lm.generate import sample_next_token, truncate_logits
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
 from helpers import make_hf_gpt2, make_tiny_gpt
-from generate import sample_next_token, truncate_logits
 from model import GPT, GPTConfig
-from tokenizer import EOT, N_VOCAB, get_encoding
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)
 

@@ -10,18 +10,17 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_files
-import memory
-import optimizers
+import checkpoint as converter
 import train_gpt2
-from checkpoint_files import OneFileCheckpoint
-from data import ShardLoader, list_shards
-from faults import Faults
+from gpt2repro.lm.data import ShardLoader, list_shards
+from gpt2repro.runs import checkpoint, checkpoint_files
+from gpt2repro.runs.checkpoint_files import OneFileCheckpoint
+from gpt2repro.training import memory, optimizers
+from gpt2repro.training.faults import Faults
+from gpt2repro.training.step import StepConfig, build_trainable, train_step
 from helpers import (TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run, error_of, file_size_limit,
                      final_weights, listdir, parts_of, read_log, run_torchrun, train, train_records)
 from model import GPT, GPTConfig
-from step import StepConfig, build_trainable, train_step
 
 STEPS = ["--total_batch_size", "256", "-B", "8"]
 MUON = ["--optimizer", "muon", "--muon_lr", "0.02"]
@@ -360,7 +359,7 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     assert_same_run(single, sharded, rel=1e-4)  # bfloat16 Newton-Schulz on gradients summed in another order
     resumed = train(shards, tmp_path / "one", *flags, "-B", "4", "--resume", tmp_path / "fsdp" / "ckpt_000003")
     assert_same_run(tail(sharded), resumed, rel=1e-4)  # one process against two ranks, as above
-    checkpoint.main([str(tmp_path / "fsdp" / "ckpt_000003"), str(tmp_path / "converted.pt")])
+    converter.main([str(tmp_path / "fsdp" / "ckpt_000003"), str(tmp_path / "converted.pt")])
     converted = checkpoint_files.load_checkpoint(tmp_path / "converted.pt").state
     buffers = [s["momentum_buffer"] for s in converted["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 8 and all(b.abs().sum() > 0 for b in buffers)

@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
-import generate
 import sample
+from gpt2repro.lm import generate
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
 from helpers import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
-                      save_as_checkpoint)
-from tokenizer import EOT, N_VOCAB, get_encoding
+                     save_as_checkpoint)
 
 PROMPT = "Once upon a time, ünïcödé"
 
@@ -77,7 +77,7 @@ def test_a_runs_log_dir_samples_its_newest_checkpoint_and_says_which(padded, tmp
 
 def test_a_mistyped_run_folder_is_one_line_at_once_without_asking_the_hub(tmp_path, capsys, monkeypatch):
     """A bare name that is no path and not GPT-2's is a typo, not a hub model: no probe of the hub."""
-    import loading
+    from gpt2repro.runs import loading
 
     def probe(*args, **kwargs):
         raise AssertionError("the hub was asked")

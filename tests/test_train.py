@@ -11,23 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_files
-import devices
-import distributed
 import hellaswag
-import loading
-import train_config
 import train_gpt2
-from checkpoint_files import OneFileCheckpoint, load_checkpoint
-from data import ShardLoader, list_shards, write_shard
+from gpt2repro.common import devices, distributed
+from gpt2repro.lm.data import ShardLoader, list_shards, write_shard
+from gpt2repro.runs import checkpoint, checkpoint_files, loading
+from gpt2repro.runs.checkpoint_files import OneFileCheckpoint, load_checkpoint
+from gpt2repro.training import train_config
+from gpt2repro.training.optimizers import OptimizerConfig, build_optimizer
+from gpt2repro.training.step import StepConfig, Trainable, build_trainable, train_step
 from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run,
                      error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
                      run_script, run_torchrun, save_as_checkpoint, torchrun_root_cause, train, train_records,
                      write_jsonl, write_token_shards)
 from model import GPT, GPTConfig
-from optimizers import OptimizerConfig, build_optimizer
-from step import StepConfig, Trainable, build_trainable, train_step
 
 
 def test_help_shows_every_flags_default_under_the_chosen_preset(capsys):
@@ -68,7 +65,7 @@ def test_defaults_are_the_gpt2_124m_recipe():
 def demo_dir(tmp_path, monkeypatch):
     """The demo preset's own data_dir, moved into tmp_path (a copy of the presets whose demo says
     so): the preset shards only there."""
-    import cli
+    from gpt2repro.common import cli
 
     data_dir = tmp_path / "shakespeare"
     configs = tmp_path / "configs"
@@ -729,7 +726,7 @@ def test_the_step_returns_once_the_device_has_finished_it(shards, monkeypatch):
     """The loop's clock stops when train_step returns: the device must have run the optimizer
     step by then, or tokens/s and MFU would describe only the queueing of the work."""
     events = []
-    monkeypatch.setattr("step.synchronize", lambda device: events.append(("synchronize", device)))
+    monkeypatch.setattr("gpt2repro.training.step.synchronize", lambda device: events.append(("synchronize", device)))
     model = GPT(GPTConfig(**TINY_CONFIG))
     optimizer = build_optimizer(model, OptimizerConfig(max_lr=1e-3), "cpu")
     optimizer.register_step_post_hook(lambda *_: events.append(("optimizer step",)))

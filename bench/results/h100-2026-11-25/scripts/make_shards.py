@@ -3,8 +3,8 @@ import os, sys
 import numpy as np
 sys.path.insert(0, os.getcwd())
 from bench import TINY_SHAKESPEARE
-from data import shard_name, write_shard
-from tokenizer import EOT, get_encoding
+from gpt2repro.lm.data import shard_name, write_shard
+from gpt2repro.lm.tokenizer import EOT, get_encoding
 
 out, n_train, per_shard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 tokens = np.array([EOT] + get_encoding().encode_ordinary(open(TINY_SHAKESPEARE).read()), dtype=np.uint16)

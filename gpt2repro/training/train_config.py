@@ -14,17 +14,17 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
-from cli import Parser, Retired, preset_names, preset_path
-from faults import fault_problem, parse_fault
-from inputs import brief
-from loss import LOSSES
+from gpt2repro import REPO
+from gpt2repro.common.cli import Parser, Retired, preset_names, preset_path
+from gpt2repro.common.inputs import brief
+from gpt2repro.common.settings import check_not_negative, check_positive, setting
+from gpt2repro.lm.loss import LOSSES
+from gpt2repro.lm.tokenizer import PADDED_VOCAB
+from gpt2repro.training.faults import fault_problem, parse_fault
+from gpt2repro.training.optimizers import OptimizerConfig
 from model import RECOMPUTE, GPTConfig
-from optimizers import OptimizerConfig
-from settings import check_not_negative, check_positive, setting
-from tokenizer import PADDED_VOCAB
 
 PRESETS = preset_names()
-HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
 AUTO_MAX_MICRO_BATCH = 64  # -B auto's ceiling: the 124M recipe's micro-batch (past it a GPU gains little)
 
@@ -283,7 +283,7 @@ def parse_args(argv=None, description=None):
     preset = parser.config_defaults(preset_path(named.preset), not_keys=("preset", "config"))
     for key in REPOSITORY_PATHS:
         if key in preset:
-            preset[key] = os.path.join(HERE, preset[key])
+            preset[key] = os.path.join(REPO, preset[key])
     parser.set_defaults(**preset)
     if named.config is not None:
         parser.set_defaults(**parser.config_defaults(named.config, not_keys=("preset", "config")))

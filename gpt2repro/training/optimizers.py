@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from settings import check_not_negative, check_positive, setting
+from gpt2repro.common.settings import check_not_negative, check_positive, setting
 
 OPTIMIZERS = ("adamw", "muon")
 # --muon_lr, --muon_momentum and --muon_weight_decay by default: the best measured (bench/results/muon-cpu-2core/).

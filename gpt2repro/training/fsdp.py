@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-import devices
+from gpt2repro.common import devices
 from model import GPT
 
 

@@ -1,6 +1,6 @@
 """How much memory training takes, per GPU (or CPU process), before any is allocated: train_gpt2.py
 --plan, -B auto's choice against a GPU's free memory or a host's available memory, the presets table
-in docs/scaling.md (`python memory.py` prints it), and the check, shared by the trainer and
+in docs/scaling.md (`python -m gpt2repro.training.memory` prints it), and the check, shared by the trainer and
 bench.py, that refuses a model its device cannot hold.
 
 Weights, gradients and AdamW's two moments are float32 (16 bytes a parameter), divided over the
@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from devices import auto_device_type, available_memory, device_memory, pick_dtype, resolve_compile
-from distributed import agree, every_rank
-from cli import Parser, preset_names, preset_path, read_config
-from loss import CHUNK, LOSSES, pick_loss
+from gpt2repro.common.cli import Parser, preset_names, preset_path, read_config
+from gpt2repro.common.devices import auto_device_type, available_memory, device_memory, pick_dtype, resolve_compile
+from gpt2repro.common.distributed import agree, every_rank
+from gpt2repro.lm.loss import CHUNK, LOSSES, pick_loss
+from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
+from gpt2repro.training.train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 from model import GPTConfig, n_params
-from tokenizer import N_VOCAB, PADDED_VOCAB
-from train_config import AUTO_MAX_MICRO_BATCH, BatchConfig, ScaleConfig, TrainConfig
 
 GiB = 2**30
 
@@ -396,9 +396,9 @@ def presets_table(gpus=(24, 40, 80), world_size=8):
 
 
 def main(argv=None):
-    """python memory.py: the presets' memory table of docs/scaling.md; it takes no arguments (a
+    """python -m gpt2repro.training.memory: the presets' memory table of docs/scaling.md; it takes no arguments (a
     model's own plan is train_gpt2.py --plan's)."""
-    Parser(prog="memory.py", description=main.__doc__).parse_args(argv)
+    Parser(prog="gpt2repro.training.memory", description=main.__doc__).parse_args(argv)
     print(presets_table())
 
 

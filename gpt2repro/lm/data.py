@@ -10,11 +10,12 @@ import re
 
 import numpy as np
 
-from atomic import atomic_open
-from inputs import brief
-from tokenizer import EOT, N_VOCAB, get_encoding
+from gpt2repro import REPO
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.inputs import brief
+from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
 
-TINY_SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinyshakespeare.txt")  # the demo corpus
+TINY_SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare.txt")  # the demo corpus
 SHARD_DTYPE = np.dtype("<u2")  # uint16: GPT-2's 50257 ids fit, at two bytes a token
 SPLITS = ("train", "val")
 MAX_EPOCH = 1 << 63  # a loader's epoch counts up from 0: past a 64-bit count is no run's, but a crafted file's

@@ -29,10 +29,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from atomic import atomic_open
-from dcp_reader import CheckpointError, check_storage_files, dcp_load, read_metadata, refuse_link
-from distributed import every_rank, host_group
-from inputs import PLAIN_TYPES, brief, first_line, structure_problem
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.distributed import every_rank, host_group
+from gpt2repro.common.inputs import PLAIN_TYPES, brief, first_line, structure_problem
+from gpt2repro.runs.dcp_reader import CheckpointError, check_storage_files, dcp_load, read_metadata, refuse_link
 
 CHECKPOINT_RE = re.compile(r"ckpt_(\d+)(\.pt)?$")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # added by torch.compile and by DDP

@@ -12,15 +12,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import devices
-import distributed
-import fsdp
-from devices import autocast, synchronize
-from distributed import RunError
-from loss import pick_loss
+from gpt2repro.common import devices, distributed
+from gpt2repro.common.devices import autocast, synchronize
+from gpt2repro.common.distributed import RunError
+from gpt2repro.lm.loss import pick_loss
+from gpt2repro.training import fsdp
+from gpt2repro.training.optimizers import OptimizerConfig, build_optimizer, set_lr
+from gpt2repro.training.train_config import ScaleConfig
 from model import GPT
-from optimizers import OptimizerConfig, build_optimizer, set_lr
-from train_config import ScaleConfig
 
 # ----------------------------------------------------------------------------- what the step works on
 

@@ -10,7 +10,7 @@ too), plus a line that prints its peak memory; llm.c's out-of-memory fallback to
 benchmark), and its build flags: the GPU's compute capability, cuDNN's paths, the rpath to the
 CUDA libraries. Each program's own log gives its milliseconds per step; the first warmup steps
 (compilation, autotuning) and the last (evaluation) are left out, and the median of the rest is
-the result. bench.py --parts peers runs this; python peers.py prints what the peers need of the
+the result. bench.py --parts peers runs this; python -m gpt2repro.benchmark.peers prints what the peers need of the
 machine (the probe).
 """
 import glob
@@ -26,9 +26,9 @@ import sys
 
 import numpy as np
 
-from data import Shard, shard_name, text_tokens, write_shard
+from gpt2repro import REPO
+from gpt2repro.lm.data import Shard, shard_name, text_tokens, write_shard
 
-REPO = os.path.dirname(os.path.abspath(__file__))
 LLMC_MAGIC, LLMC_VERSION, LLMC_HEADER_INTS = 20240520, 1, 256  # llm.c's dataloader.h token-file header
 
 
@@ -136,7 +136,7 @@ def edit(path, replacements, name):
 # its files: both get this repository's instead, its folder on the path only while its tokenizer is
 # imported, so that none of its modules shadows one of the peer's.
 TIKTOKEN_GPT2 = 'enc = tiktoken.get_encoding("gpt2")'
-OFFLINE_TOKENIZER = (f"import sys; sys.path.insert(0, {REPO!r}); from tokenizer import get_encoding; "
+OFFLINE_TOKENIZER = (f"import sys; sys.path.insert(0, {REPO!r}); from gpt2repro.lm.tokenizer import get_encoding; "
                      f"sys.path.remove({REPO!r}); enc = get_encoding()")
 
 

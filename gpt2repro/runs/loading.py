@@ -11,13 +11,13 @@ import urllib.parse
 import warnings
 from dataclasses import replace
 
-from checkpoint import ModelPart, load_parts, model_of, non_finite_weights
-from checkpoint_files import ShardedCheckpoint, checkpoint_format, named_checkpoints
-from dcp_reader import CheckpointError
-from devices import pick_device
-from inputs import first_line
+from gpt2repro.common.devices import pick_device
+from gpt2repro.common.inputs import first_line
+from gpt2repro.lm.tokenizer import gpt2_vocab_problem
+from gpt2repro.runs.checkpoint import ModelPart, load_parts, model_of, non_finite_weights
+from gpt2repro.runs.checkpoint_files import ShardedCheckpoint, checkpoint_format, named_checkpoints
+from gpt2repro.runs.dcp_reader import CheckpointError
 from model import GPT, PRETRAINED, n_params
-from tokenizer import gpt2_vocab_problem
 
 
 def load_model_on(name, device="cpu"):

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from inputs import UnreadableFile, brief, first_line, open_regular
+from gpt2repro.common.inputs import UnreadableFile, brief, first_line, open_regular
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12

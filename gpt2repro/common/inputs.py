@@ -5,7 +5,7 @@ import json
 import os
 import stat
 
-from atomic import file_kind
+from gpt2repro.common.atomic import file_kind
 
 
 def brief(value):

@@ -11,7 +11,9 @@ from functools import lru_cache
 
 import tiktoken
 
-BPE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
+from gpt2repro import REPO
+
+BPE_FILE = os.path.join(REPO, "data", "gpt2.tiktoken")
 BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = 50256  # <|endoftext|>: separates documents, the last id of the vocabulary

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenizer import get_encoding
+from gpt2repro.lm.tokenizer import get_encoding
 
 DECODES = ("sampling", "greedy", "beam")
 # Bounds past which an option fails in a traceback rather than generate: a prompt's rows (samples

@@ -7,9 +7,9 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint_files import plain_state_dict
-from inputs import brief
-from optimizers import saved_states_of, torch_optimizers
+from gpt2repro.common.inputs import brief
+from gpt2repro.runs.checkpoint_files import plain_state_dict
+from gpt2repro.training.optimizers import saved_states_of, torch_optimizers
 
 
 def saved_optimizer_problem(raw_model, optimizer, saved):

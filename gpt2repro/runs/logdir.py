@@ -10,10 +10,10 @@ import stat
 import sys
 import time
 
-import checkpoint_files
-from atomic import CannotClaim, atomic_open, claim_directory, file_kind
-from distributed import RunError
-from inputs import first_line, parse_json
+from gpt2repro.common.atomic import CannotClaim, atomic_open, claim_directory, file_kind
+from gpt2repro.common.distributed import RunError
+from gpt2repro.common.inputs import first_line, parse_json
+from gpt2repro.runs import checkpoint_files
 
 # Besides the checkpoints, what a run writes in log_dir: each, where it exists, must be what it is
 # named for, and never a link, which the run would write through.

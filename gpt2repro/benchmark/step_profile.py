@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from atomic import atomic_open
+from gpt2repro.common.atomic import atomic_open
 from model import n_params
 
 # The categories, from the names of the operators (aten::..., on the CPU) and of the device's

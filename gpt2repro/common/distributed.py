@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from devices import pick_device
+from gpt2repro.common.devices import pick_device
 
 
 class RunError(Exception):

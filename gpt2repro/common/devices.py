@@ -7,7 +7,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from inputs import first_line
+from gpt2repro.common.inputs import first_line
 
 
 def compiled(fn, mode):

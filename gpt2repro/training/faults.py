@@ -8,8 +8,8 @@ import signal
 
 import torch
 
-from distributed import RunError
-from inputs import brief
+from gpt2repro.common.distributed import RunError
+from gpt2repro.common.inputs import brief
 
 KINDS = ("nan", "oom", "sigterm", "sigkill")
 IMPOSSIBLE_BYTES = 2**62  # what --fault oom allocates: past any memory, and past any address space

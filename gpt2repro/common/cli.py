@@ -8,11 +8,12 @@ import sys
 import time
 import tomllib
 
-from atomic import check_writable
-from inputs import UnreadableFile, brief, first_line, open_regular
+from gpt2repro import REPO
+from gpt2repro.common.atomic import check_writable
+from gpt2repro.common.inputs import UnreadableFile, brief, first_line, open_regular
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DIR = os.path.join(REPO, "configs")
 
 
 def preset_names():

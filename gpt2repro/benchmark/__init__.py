@@ -1,0 +1,1 @@
+"""What only bench.py uses: the peers' trainers, adapted and timed, and a step's time against its floors."""

@@ -1,0 +1,456 @@
+"""A run's checkpoints: what a run saves, when, and how it resumes from them.
+
+A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer
+(whose saved state optimizer_state.py loads and checks), the loss scaler, the train loader's
+position and every rank's random state. Each part saves and restores itself (state_dict,
+load_state_dict); a checkpoint holds each under its name, beside its record: the step, the config
+(GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a checkpoint lies in files,
+one file or a sharded directory, and where in a log_dir, is checkpoint_files.py's; a run resumes
+through restore_parts, from either format, on any number of ranks. This file reads in that
+order: the Checkpointer that decides when a run saves, saves and restores; the parts; how a
+checkpoint restores them, once its record is found to fit the run. The root's checkpoint.py
+converts a sharded checkpoint into one file.
+"""
+from dataclasses import asdict, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from gpt2repro.common.distributed import RunError, agree, every_rank
+from gpt2repro.common.inputs import brief, first_line
+from gpt2repro.runs.checkpoint_files import (Unrestorable, check_no_later_checkpoints, checkpoint_path, checkpoint_step,
+                                             find_resume, latest_checkpoint, prune_checkpoints, restoring, save_error,
+                                             save_one_file, save_sharded, warn_unwritten)
+from gpt2repro.runs.dcp_reader import CheckpointError, UnreadableStorage
+from gpt2repro.runs.optimizer_state import (keyed_by_name, load_optimizer_state, optimizer_state_problem,
+                                            saved_optimizer_problem, with_run_settings)
+from gpt2repro.training.optimizers import OPTIMIZERS, optimizer_name, torch_optimizers
+from model import GPT, GPTConfig
+
+
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+class Checkpointer:
+    """When and how a run saves and resumes its parts (training_parts), as torchtitan's
+    CheckpointManager: every interval steps and at the end, only finite weights, only where every
+    rank's disk has room, one file from rank 0 or (sharded) storage files from every rank, in the
+    background with async_save, the oldest pruned to keep_last. A save that fails (a full disk) is
+    a warning: training goes on."""
+
+    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print):
+        self.log_dir, self.parts, self.interval, self.keep_last = log_dir, parts, interval, keep_last
+        self.sharded, self.log = sharded, log
+        self.write = partial(save_sharded, async_save=async_save) if sharded else save_one_file  # the one difference
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending = None  # the Saving of a checkpoint still being written
+
+    def due(self, step, start_step, last_step):
+        """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
+        return step > start_step and (last_step or bool(self.interval and step % self.interval == 0))
+
+    def save(self, step, flags):
+        """Saves every part at step, with flags (TrainConfig.flags()) as the run's record, on every
+        rank at once: a refusal (weights that are not finite) then stops every rank, none left
+        waiting at the next collective. An interval of -1 saves nothing."""
+        if self.interval < 0:
+            return
+        finite = self.parts["model"].finite()
+        agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
+        self.wait()  # one checkpoint at a time
+        record = checkpoint_record(self.parts, step, flags)
+        self.pending = self.write(checkpoint_path(self.log_dir, step, self.sharded), self.parts, record)
+        if self.pending is not None and self.pending.future is None:
+            self.wait()
+
+    def wait(self):
+        """Returns once the checkpoint being written, if any, is complete and in place."""
+        if self.pending is None:
+            return
+        (path, future), self.pending = self.pending, None
+        try:
+            if future is not None:
+                future.result()
+                if dist.is_initialized():
+                    dist.barrier()  # rank 0 has renamed it into place
+        except (OSError, CheckpointException) as e:
+            warn_unwritten(path, save_error(e))
+            return
+        if self.rank == 0:
+            prune_checkpoints(self.log_dir, self.keep_last)
+        self.log(f"saved {path}")
+
+    def restore(self, resume, max_steps, flags):
+        """Restores every part from the checkpoint resume names ("auto", "none" or a path), under
+        this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs those that
+        differ from the checkpoint's record in one line. Returns the step to start from. Every rank
+        reads the checkpoint itself, so all must find the same one: on several nodes, log_dir must
+        be shared storage. Under "auto", a sharded checkpoint whose storage files cannot be read
+        (damage shows only then) is passed over for the next older one, which overwrites whatever
+        the failed restore had loaded."""
+        found = find_resume(resume, self.log_dir)
+        while True:
+            steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
+            if len(set(steps)) > 1:
+                raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
+                               f"on several nodes, --log_dir must be a directory they all share")
+            if found is None:
+                return 0
+            path, state = found
+            try:
+                step = restore_parts(found, self.parts, self.log)
+                break
+            except UnreadableStorage as e:
+                if resume != "auto":
+                    raise
+                self.log(f"warning: skipping {e}")
+                found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
+        self.log(f"resuming from {path} at step {step}")
+        changed = changed_hyperparameters(recorded_flags(state), flags)
+        if changed:
+            self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
+        if resume != "auto" and step < max_steps:
+            check_no_later_checkpoints(self.log_dir, step)
+        return step
+
+
+# ----------------------------------------------------------------------------- the parts of a run
+
+def training_parts(trainable, train_loader):
+    """The stateful parts of a run (trainable: step.Trainable), by the name each has in a
+    checkpoint. Each has state_dict() and load_state_dict(saved), which returns None or a note on
+    the checkpoint to log after its path; those whose tensors a sharded checkpoint holds in DCP's
+    storage files (in_storage) also have dcp_state_dict() and load_dcp_state_dict(loaded), in
+    DCP's form: keyed by the parameters' names, each rank's slices under FSDP."""
+    model = trainable.raw_model
+    return {"model": ModelPart(model), "optimizer": OptimizerPart(model, trainable.optimizer),
+            "scaler": ScalerPart(trainable.scaler), "train_loader": LoaderPart(train_loader),
+            "rng": RandomStates(model.config.dropout)}
+
+
+def checkpoint_record(parts, step, flags):
+    """What a checkpoint records of its run beside the parts' states: the step, the model's config
+    (GPTConfig as a dict) and the run's flags (TrainConfig.flags())."""
+    return {"step": step, "config": asdict(parts["model"].raw_model.config), "flags": flags}
+
+
+class ModelPart:
+    """The weights of raw_model, the plain GPT (FSDP-sharded or not): state_dict() with plain GPT
+    keys, whole, as one file holds them; either form loads into a model sharded or not, and is
+    then checked on every rank, as the scripts check a model they load (non_finite_weights)."""
+
+    def __init__(self, raw_model):
+        self.raw_model = raw_model
+
+    def finite(self):
+        """Whether every weight is finite (of a sharded one, this rank's slices)."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.raw_model.parameters()]
+        return bool(torch.stack([p.isfinite().all() for p in local]).all())
+
+    def state_dict(self):
+        return self.raw_model.state_dict()
+
+    def load_state_dict(self, saved):
+        if isinstance(self.raw_model, FSDPModule):  # every rank has read all of it, and keeps its own slices
+            set_model_state_dict(self.raw_model, saved, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.raw_model.load_state_dict(saved)
+        self.check()
+
+    def dcp_state_dict(self):
+        return get_model_state_dict(self.raw_model)
+
+    def load_dcp_state_dict(self, loaded):
+        set_model_state_dict(self.raw_model, loaded)
+        self.check()
+
+    def check(self):
+        """Every rank stops alike, naming the weight: a run resumed from NaN would fail steps
+        later, at a save or an evaluation, blaming neither the checkpoint nor the weight."""
+        if not all(every_rank(self.finite())):
+            raise Unrestorable(non_finite_weights(self.raw_model))
+
+
+def non_finite_weights(model):
+    """"NAME holds NaN or infinite values" for the first weight of model (a GPT) that does, with
+    the rows where they lie if only rows that pad the vocabulary hold them, or None. Of a sharded
+    model, on every rank at once: each weight is gathered whole."""
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if not whole.isfinite().all():
+            return f"{name} holds NaN or infinite values{padding_only(model, name, whole)}"
+    return None
+
+
+def padding_only(model, name, tensor):
+    """", only in rows 50257-50303, ..." where the non-finite values of model's weight name (tensor)
+    lie only in the rows that pad its vocabulary (the token embedding's, which the head shares), else ""."""
+    rows, vocab = model.config.vocab_size, model.n_tokens
+    if name not in ("transformer.wte.weight", "lm_head.weight") or rows == vocab or not tensor[:vocab].isfinite().all():
+        return ""
+    return f", only in rows {vocab}-{rows - 1}, which pad the vocabulary and which no token id reaches"
+
+
+class OptimizerPart:
+    """What the optimizer learned (AdamW's moments, Muon's momentum buffers, the step counts),
+    restored under this run's settings (optimizer_state.py: load_optimizer_state), then checked on
+    every rank before any steps (optimizer_state_problem). state_dict() is keyed by each parameter's place in its
+    optimizer, a MuonAdamW's as {"adamw": ..., "muon": ...}, as one file holds it."""
+
+    def __init__(self, raw_model, optimizer):
+        self.raw_model, self.optimizer = raw_model, optimizer
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, saved):
+        problem = saved_optimizer_problem(self.raw_model, self.optimizer, saved)
+        if problem:
+            raise Unrestorable(problem)
+        if isinstance(self.raw_model, FSDPModule):
+            set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer),
+                                     keyed_by_name(self.raw_model, self.optimizer, saved),
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            load_optimizer_state(self.optimizer, saved)
+        self.check()
+
+    def dcp_state_dict(self):
+        return get_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer))
+
+    def load_dcp_state_dict(self, loaded):
+        loaded["param_groups"] = with_run_settings(loaded["param_groups"], self.optimizer)
+        set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer), loaded)
+        self.check()
+
+    def check(self):
+        """Every rank stops alike: a rank that trained on would wait for the others forever."""
+        problems = [p for p in every_rank(optimizer_state_problem(self.raw_model, self.optimizer)) if p]
+        if problems:
+            raise Unrestorable(problems[0])
+
+
+class ScalerPart:
+    """The fp16 loss scale (torch.amp.GradScaler): empty where saved without fp16 loss scaling, and
+    then a switch to fp16 starts a fresh scale."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, saved):
+        if saved:
+            self.scaler.load_state_dict(saved)
+
+
+class LoaderPart:
+    """The train loader's position (data.ShardLoader), carried over by tokens read where the saved
+    run read other micro-batches (another -B, -B auto on another GPU, another number of ranks)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, saved):
+        problem = self.loader.position_problem(saved)
+        if problem:
+            raise Unrestorable(problem)
+        self.loader.load_state_dict(saved)
+        if saved["tokens_per_index"] != self.loader.tokens_per_index:
+            return (f"was saved by a run of micro-batches of {saved['tokens_per_index']:,} tokens over all "
+                    f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer step, "
+                    f"in other micro-steps")
+        return None
+
+
+class RandomStates:
+    """Every rank's random state, which draws its dropout masks (dropout: this run's): state_dict()
+    gathers them from every rank, rank 0's first; load_state_dict restores each rank's own
+    (restore_random_state)."""
+
+    def __init__(self, dropout):
+        self.dropout = dropout
+
+    def state_dict(self):
+        return every_rank(random_state())
+
+    def load_state_dict(self, saved):
+        return restore_random_state(saved, self.dropout)
+
+
+def random_state():
+    """This process's random state, which draws its dropout masks: the CPU's and each GPU's it sees."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_random_state(saved, dropout):
+    """Restores this rank's random state from saved, a checkpoint's "rng": one random_state() per
+    rank (an older checkpoint's is one dict, of one rank). Every rank checks every rank's state and
+    restores its own, then all agree, as on the optimizer's state: a state that cannot be restored
+    is Unrestorable, naming the rank, on every rank, none left waiting at a collective. Saved on
+    another number of ranks it restores none, and under dropout returns a note that the masks are
+    drawn afresh: each rank keeps the seed the run gave it."""
+    states = [saved] if isinstance(saved, dict) else saved
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problem = random_states_problem(states)
+    if problem is None and len(states) == ranks:
+        try:
+            torch.set_rng_state(states[rank]["cpu"])
+            if states[rank]["cuda"] and torch.cuda.is_available():
+                # One state per GPU the saving process saw: a run resumed on fewer GPUs takes as many.
+                torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = f"rank {rank}'s state: {first_line(e)}"
+    problems = [p for p in every_rank(problem) if p]
+    if problems:
+        raise Unrestorable(problems[0])
+    if len(states) != ranks and dropout:
+        return (f"holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, optimizer "
+                f"and data resume as saved, but dropout's masks are drawn afresh, so the losses from here are not "
+                f"those of the run uninterrupted")
+    return None
+
+
+# The bytes of a CUDA generator's state: its seed and its offset, 8 each.
+CUDA_STATE_BYTES = 16
+
+
+def random_states_problem(states):
+    """Why states, every rank's random_state() as a checkpoint holds them, cannot be restored, or
+    None; every rank's is checked, whichever restores it."""
+    if not isinstance(states, (list, tuple)) or not states:
+        return f"it is {brief(states)}, not a list of one random state per rank"
+    for rank, state in enumerate(states):
+        if not isinstance(state, dict) or not isinstance(state.get("cuda"), (list, tuple)):
+            return f"rank {rank}'s state is {brief(state)}, not a dict of the CPU's state and a list of the GPUs'"
+        try:
+            torch.Generator().set_state(state.get("cpu"))  # a scratch generator: this one's stays as it is
+        except (TypeError, RuntimeError) as e:
+            return f"rank {rank}'s CPU state: {first_line(e)}"
+        if not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.numel() == CUDA_STATE_BYTES
+                   for s in state["cuda"]):
+            return f"rank {rank}'s CUDA states are not {CUDA_STATE_BYTES} bytes each"
+    return None
+
+
+# ----------------------------------------------------------------------------- restoring them
+
+def restore_parts(checkpoint, parts, log=print):
+    """Puts every part back as checkpoint (a Checkpoint, as load_checkpoint reads one) saved it,
+    from either format into a model sharded or not, once its record is found to fit this run
+    (check_resumable); logs each part's note on it, and returns its step."""
+    step = check_resumable(checkpoint, parts, log)
+    for note in load_parts(checkpoint, parts):
+        log(f"note: {checkpoint.path} {note}")
+    return step
+
+
+def load_parts(checkpoint, parts):
+    """Loads each of parts from checkpoint (a Checkpoint), each failure one CheckpointError naming
+    the file and the part; returns the parts' notes on it."""
+    notes = []
+    for name, load, saved in checkpoint.saved_states(parts):
+        with restoring(checkpoint.path, name):
+            notes.append(load(saved))
+    return [note for note in notes if note]
+
+
+def check_resumable(checkpoint, parts, log):
+    """The step of checkpoint (a Checkpoint), once its record is found to fit this run's parts
+    before any is read: a state for each part (a sharded one's tensors are in its storage files),
+    a step, the model's architecture and the optimizer's kind. The model's dropout is this run's:
+    a checkpoint trained at another is resumed at this one, with a note to log."""
+    path, state = checkpoint
+    missing = [key for key in (*parts, "step") if not checkpoint.holds(key, parts)]
+    if missing:
+        raise CheckpointError(f"{path} holds no {missing[0]}: a model to score or sample, not a run to resume")
+    config = asdict(parts["model"].raw_model.config)
+    saved = dict(model_fields(path, state["config"]))
+    saved_dropout, dropout = saved.pop("dropout", GPTConfig.dropout), config.pop("dropout")
+    if saved != config:
+        diff = ", ".join(f"{k} {brief(v)} (this run: {config[k]})" for k, v in saved.items() if config[k] != v)
+        raise CheckpointError(f"{path} holds a model of another architecture: {diff}; resume it with its model "
+                              f"flags, or start over: --resume none (which moves the earlier run's files aside), "
+                              f"or another --log_dir")
+    if saved_dropout != dropout:
+        log(f"note: {path} was trained at --dropout {brief(saved_dropout)}: resuming at this run's --dropout {dropout}")
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
+    saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(parts["optimizer"].optimizer)
+    if saved_optimizer != this_optimizer:
+        raise CheckpointError(f"{path} is a run of --optimizer {saved_optimizer}, this one is of --optimizer "
+                              f"{this_optimizer}: resume it with --optimizer {saved_optimizer}, or start over "
+                              f"in another --log_dir")
+    return step
+
+
+def recorded_flags(state):
+    """The flags a checkpoint records of its run (TrainConfig.flags()): its "flags", or the "args"
+    of one written before that name; {} where it records none."""
+    record = state.get("flags", state.get("args"))
+    return record if isinstance(record, dict) else {}
+
+
+def saved_optimizer_name(path, state):
+    """The --optimizer a training checkpoint was saved under; adamw for one from before the flag."""
+    return recorded_flag(path, state, "optimizer", "adamw", lambda name: name in OPTIMIZERS)
+
+
+def recorded_flag(path, state, name, default, valid):
+    """The value of flag name that the checkpoint at path records of its run (default where it
+    records none), or a CheckpointError if valid(value) is false."""
+    value = recorded_flags(state).get(name, default)
+    if not valid(value):
+        raise CheckpointError(f"{path}: its recorded --{name} is {brief(value)}, which that flag cannot be")
+    return value
+
+
+# The flags that set the optimizer's hyperparameters (the schedule's among them): on resume, this
+# run's values are the ones it trains with, and changed_hyperparameters names those that changed.
+HYPERPARAMETER_FLAGS = ("max_lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "muon_lr",
+                        "muon_momentum", "muon_weight_decay", "grad_clip")
+
+
+def changed_hyperparameters(saved_flags, flags):
+    """["name old -> new"] for each of HYPERPARAMETER_FLAGS whose value in flags (this run's, as
+    TrainConfig.flags() gives them) differs from saved_flags, a checkpoint's record of its run's
+    (recorded_flags); nothing for a flag the record lacks, or a checkpoint with no record."""
+    if not isinstance(saved_flags, dict):
+        return []
+    return [f"{name} {brief(saved_flags[name])} -> {flags[name]}" for name in HYPERPARAMETER_FLAGS
+            if name in saved_flags and name in flags and saved_flags[name] != flags[name]]
+
+
+def model_of(path, config, dropout=None, **options):
+    """A GPT of a checkpoint's config (GPTConfig's fields as a dict; one without dropout, older,
+    has none), or a CheckpointError; dropout, if given, instead of the recorded one; options: how
+    it runs, as GPT's."""
+    try:
+        model_config = GPTConfig(**model_fields(path, config))
+        return GPT(model_config if dropout is None else replace(model_config, dropout=dropout), **options)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT ({first_line(e)})") from None
+
+
+def model_fields(path, config):
+    """A checkpoint's config (a dict of plain values: contents_problem), checked to hold GPTConfig's
+    fields and only those (dropout may be missing: GPTConfig once had none): a field of another,
+    or one missing, is a CheckpointError, named within bounds."""
+    unknown = next((k for k in config if k not in GPTConfig.__dataclass_fields__), None)
+    if unknown is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config has a field {brief(unknown)}, "
+                              f"which GPTConfig lacks)")
+    missing = next((k for k in GPTConfig.__dataclass_fields__ if k not in config and k != "dropout"), None)
+    if missing is not None:
+        raise CheckpointError(f"{path}: not a checkpoint of this GPT (its config lacks GPTConfig's field {missing})")
+    return config
