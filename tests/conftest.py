@@ -1,7 +1,7 @@
 """pytest's setup for the tests: offline, one thread a process, Triton's interpreter without a GPU, one
 temporary directory of their own, cuda-marked tests skipped without CUDA, interpreted-marked ones where
 the interpreter cannot run the kernel, and the fixtures.
-The helpers are in helpers.py."""
+The helpers are in helpers/, a module for each kind of help."""
 import multiprocessing.util
 import os
 import shutil
@@ -10,7 +10,9 @@ import tempfile
 import pytest
 import torch
 
-from helpers import interpreter_problem, make_hf_gpt2, write_token_shards
+from helpers.files import write_token_shards
+from helpers.kernels import interpreter_problem
+from helpers.models import make_hf_gpt2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a test that reaches for the hub fails fast
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

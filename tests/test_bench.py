@@ -15,7 +15,8 @@ import torch
 import bench
 from gpt2repro.benchmark import step_profile
 from gpt2repro.lm import loss
-from helpers import disk_full, exit_message, file_size_limit, run_script
+from helpers.limits import disk_full, file_size_limit
+from helpers.processes import exit_message, run_script
 from model import ATTENTION_KERNELS, GPT, GPTConfig, n_params
 
 FIGURES = {"matmul": ["flops_per_sec"], "copy": ["bytes_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],

@@ -30,7 +30,7 @@ def test_every_file_a_page_names_exists(page):
 
 @pytest.mark.parametrize("path", ["requirements.txt", ".ci/run"])
 def test_every_file_the_install_and_ci_name_exists(path):
-    """Their comments name files bare, from the repository's root: loss.py, tests/test_loss.py."""
+    """Their comments name files bare, from the repository's root: gpt2repro/lm/loss.py, tests/lm/test_loss.py."""
     with open(os.path.join(REPO, path)) as f:
         named = re.findall(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|toml|txt|md|ini))\b", f.read())
     missing = [name for name in named if not os.path.exists(os.path.join(REPO, name))]

@@ -11,7 +11,9 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 import export_hf
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
 from gpt2repro.runs.loading import load_model
-from helpers import REPO, exit_message, make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
+from helpers import REPO
+from helpers.models import make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
+from helpers.processes import exit_message
 from model import GPT, GPTConfig
 
 HELLO = "Hello, I'm a language model,"
@@ -220,7 +222,7 @@ def damage(directory, kind):
 def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_dir, tmp_path, capsys, kind, expected):
     import hellaswag
     import sample
-    from helpers import EXAMPLES, write_jsonl
+    from helpers.files import EXAMPLES, write_jsonl
 
     directory = tmp_path / "damaged"
     shutil.copytree(hf_gpt2_dir[1], directory)

@@ -18,7 +18,9 @@ from bench import baseline_tokenize
 from fineweb import ShardingJob
 from gpt2repro.lm.data import Shard, shard_name
 from gpt2repro.lm.tokenizer import EOT, get_encoding
-from helpers import DOCS, REPO, listdir, never_ending_inputs, run_bounded, run_script, write_docs_jsonl
+from helpers import REPO
+from helpers.files import DOCS, listdir, never_ending_inputs, write_docs_jsonl
+from helpers.processes import run_bounded, run_script
 
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare.txt")
 def stream_of(docs):

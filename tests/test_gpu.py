@@ -10,7 +10,10 @@ import train_gpt2
 from gpt2repro.lm.loss import LOSSES
 from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
 from gpt2repro.training.step import StepConfig, build_trainable, train_step
-from helpers import TINY, FixedBatches, read_log, run_torchrun, train_records, write_token_shards
+from helpers.files import write_token_shards
+from helpers.models import FixedBatches
+from helpers.processes import run_torchrun
+from helpers.runs import TINY, read_log, train_records
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda

@@ -15,8 +15,10 @@ from gpt2repro.common.inputs import MAX_LINE_CHARS
 from gpt2repro.lm.tokenizer import N_VOCAB, get_encoding
 from gpt2repro.runs.loading import load_model
 from hellaswag import HellaSwagError, ScoringConfig, count_correct, load_examples, read_examples, score_batches
-from helpers import (EXAMPLES, disk_full, exit_message, make_hf_gpt2, never_ending_inputs, run_bounded, run_script,
-                     write_jsonl)
+from helpers.files import EXAMPLES, never_ending_inputs, write_jsonl
+from helpers.limits import disk_full
+from helpers.models import make_hf_gpt2
+from helpers.processes import exit_message, run_bounded, run_script
 from model import GPT, GPTConfig
 
 @pytest.fixture(scope="module")

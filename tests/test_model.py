@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from gpt2repro.lm.generate import sample_next_token, truncate_logits
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
-from helpers import make_hf_gpt2, make_tiny_gpt
+from helpers.models import make_hf_gpt2, make_tiny_gpt
 from model import GPT, GPTConfig
 
 TINY = dict(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=32)

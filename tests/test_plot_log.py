@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from helpers import run_script
+from helpers.processes import run_script
 
 pytest.importorskip("matplotlib")
 import plot_log  # noqa: E402  (after the skip: it needs matplotlib)

@@ -8,8 +8,10 @@ import torch
 import sample
 from gpt2repro.lm import generate
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
-from helpers import (disk_full, exit_message, make_eot_gpt, make_tiny_gpt, never_ending_inputs, run_bounded, run_script,
-                     save_as_checkpoint)
+from helpers.files import never_ending_inputs
+from helpers.limits import disk_full
+from helpers.models import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
+from helpers.processes import exit_message, run_bounded, run_script
 
 PROMPT = "Once upon a time, ünïcödé"
 

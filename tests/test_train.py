@@ -20,10 +20,12 @@ from gpt2repro.runs.checkpoint_files import OneFileCheckpoint, load_checkpoint
 from gpt2repro.training import train_config
 from gpt2repro.training.optimizers import OptimizerConfig, build_optimizer
 from gpt2repro.training.step import StepConfig, Trainable, build_trainable, train_step
-from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run,
-                     error_of, final_weights, listdir, make_tiny_gpt, one_line_error, parts_of, read_log, run_cli,
-                     run_script, run_torchrun, save_as_checkpoint, torchrun_root_cause, train, train_records,
-                     write_jsonl, write_token_shards)
+from helpers import REPO
+from helpers.files import EXAMPLES, listdir, write_jsonl, write_token_shards
+from helpers.models import FixedBatches, as_checkpoint, make_tiny_gpt, parts_of, save_as_checkpoint
+from helpers.processes import one_line_error, run_script, run_torchrun, torchrun_root_cause
+from helpers.runs import (COMPILED_TRAIN, TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log,
+                          run_cli, train, train_records)
 from model import GPT, GPTConfig
 
 

@@ -10,7 +10,7 @@ position of the micro-batch: the residual stream and LayerNorms in float32, what
 in the autocast dtype. Under --dropout, each dropout's mask (one byte an element, as CUDA's
 kernel keeps it) after the embeddings and on each residual branch; the attention probabilities'
 mask is none, as flash attention draws it again in the backward from a seed (the math kernel
-would keep n_head * seq_len bytes a position per block). tests/test_memory.py checks them against
+would keep n_head * seq_len bytes a position per block). tests/training/test_memory.py checks them against
 the tensors a tiny model saves.
 """
 import os

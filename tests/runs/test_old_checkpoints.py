@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from helpers import REPO, TINY, read_log, run_torchrun, train
+from helpers import REPO
+from helpers.processes import run_torchrun
+from helpers.runs import TINY, read_log, train
 
 OLD = os.path.join(REPO, "tests", "data", "de4c38f")
 # As write.sh there resumed them: TINY's flags and these, 16 wide with a context of 32, 2 steps on to 4.
@@ -42,7 +44,7 @@ def test_a_checkpoint_of_de4c38f_resumes_as_de4c38f_resumed_it(shards, tmp_path,
     assert "this run's flags win over the checkpoint's: decay_steps 2 -> 4\n" in first
     with open(os.path.join(OLD, "resumed.json")) as f:
         assert numbers(read_log(tmp_path / "first")) == pytest.approx(numbers(json.load(f)[name]), rel=REL, abs=0)
-    if ranks == 1:  # on 2 ranks tests/test_fsdp.py resumes exactly; a torchrun more costs tens of seconds
+    if ranks == 1:  # on 2 ranks tests/training/test_fsdp.py resumes exactly; a torchrun more costs tens of seconds
         (step_3,) = [entry for entry in os.listdir(tmp_path / "first") if entry.startswith("ckpt_000003")]
         resume(shards, tmp_path / "again", capsys, ranks, *flags, "--resume", tmp_path / "first" / step_3)
         assert numbers(read_log(tmp_path / "again")) == {

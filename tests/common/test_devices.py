@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gpt2repro.common import devices
-from helpers import REPO, one_line_error, run_script
+from helpers import REPO
+from helpers.processes import one_line_error, run_script
 
 
 def test_under_torchrun_each_process_takes_its_own_gpu_and_no_other(monkeypatch):

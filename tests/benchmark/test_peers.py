@@ -15,7 +15,7 @@ import bench
 from gpt2repro.benchmark import peers
 from gpt2repro.lm.data import shard_name, write_shard
 from gpt2repro.lm.tokenizer import get_encoding
-from helpers import exit_message, run_script
+from helpers.processes import exit_message, run_script
 
 # The statements of build-nanogpt's train_gpt2.py that the adaptation rewrites, in a stand-in script.
 BUILD_NANOGPT_SCRIPT = '''import os

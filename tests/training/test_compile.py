@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import train_gpt2
 from gpt2repro.lm.data import ShardLoader, list_shards
 from gpt2repro.training.step import StepConfig, build_trainable, train_step
-from helpers import write_token_shards
+from helpers.files import write_token_shards
 from model import GPT, GPTConfig
 
 

@@ -18,8 +18,11 @@ from gpt2repro.runs.checkpoint_files import OneFileCheckpoint
 from gpt2repro.training import memory, optimizers
 from gpt2repro.training.faults import Faults
 from gpt2repro.training.step import StepConfig, build_trainable, train_step
-from helpers import (TINY, TINY_CONFIG, FixedBatches, as_checkpoint, assert_same_run, error_of, file_size_limit,
-                     final_weights, listdir, parts_of, read_log, run_torchrun, train, train_records)
+from helpers.files import listdir
+from helpers.limits import file_size_limit
+from helpers.models import FixedBatches, as_checkpoint, parts_of
+from helpers.processes import run_torchrun
+from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train, train_records
 from model import GPT, GPTConfig
 
 STEPS = ["--total_batch_size", "256", "-B", "8"]

@@ -15,8 +15,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import train_gpt2
 from gpt2repro.lm.loss import chunked_cross_entropy, masked_cross_entropy, pick_loss
 from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
-from helpers import (REPO, TINY, TRITON, assert_same_run, interpreted, listdir, needs_triton, one_line_error, read_log,
-                     train)
+from helpers import REPO
+from helpers.files import listdir
+from helpers.kernels import TRITON, interpreted, needs_triton
+from helpers.processes import one_line_error
+from helpers.runs import TINY, assert_same_run, read_log, train
 from model import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=64, vocab_size=PADDED_VOCAB, n_layer=2, n_head=2, n_embd=32)

@@ -21,8 +21,12 @@ import train_gpt2
 from gpt2repro.common import atomic
 from gpt2repro.common.atomic import LOCK_NAME, claim_directory
 from gpt2repro.lm.data import Shard, ShardError, write_shard
-from helpers import (DOCS, REPO, TINY, error_of, exit_message, file_size_limit, listdir, make_tiny_gpt,
-                     save_as_checkpoint, write_docs_jsonl)
+from helpers import REPO
+from helpers.files import DOCS, listdir, write_docs_jsonl
+from helpers.limits import file_size_limit
+from helpers.models import make_tiny_gpt, save_as_checkpoint
+from helpers.processes import exit_message
+from helpers.runs import TINY, error_of
 
 
 def test_a_second_trainer_on_a_log_dir_is_refused_naming_the_first(tmp_path, capsys):

@@ -18,7 +18,10 @@ from gpt2repro.runs.checkpoint import recorded_flags
 from gpt2repro.runs.checkpoint_files import load_checkpoint
 from gpt2repro.training import memory
 from gpt2repro.training.train_config import ScaleConfig
-from helpers import REPO, TINY, error_of, exit_message, interpreted, run_script, train
+from helpers import REPO
+from helpers.kernels import interpreted
+from helpers.processes import exit_message, run_script
+from helpers.runs import TINY, error_of, train
 from model import GPT, RECOMPUTE, GPTConfig, n_params
 
 CONFIG = GPTConfig(block_size=64, vocab_size=300, n_layer=4, n_head=4, n_embd=64)

@@ -12,8 +12,10 @@ import torch
 import checkpoint as converter
 import hellaswag
 from gpt2repro.runs import checkpoint, checkpoint_files, loading
-from helpers import (COMPILED_TRAIN, EXAMPLES, REPO, TINY, WritesAFile, assert_same_run, declare_bytes, error_of,
-                     exit_message, listdir, read_log, run_torchrun, train, train_records, write_jsonl)
+from helpers import REPO
+from helpers.files import EXAMPLES, WritesAFile, declare_bytes, listdir, write_jsonl
+from helpers.processes import exit_message, run_torchrun
+from helpers.runs import COMPILED_TRAIN, TINY, assert_same_run, error_of, read_log, train, train_records
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]
 

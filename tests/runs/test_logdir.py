@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gpt2repro.runs import checkpoint_files, logdir
-from helpers import error_of, listdir, read_log, train
+from helpers.files import listdir
+from helpers.runs import error_of, read_log, train
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
 EARLIER = "previous_20260101-000000"  # a run that an earlier start-over moved aside

@@ -17,9 +17,12 @@ from gpt2repro.lm.data import write_shard
 from gpt2repro.runs import checkpoint, checkpoint_files, loading, logdir
 from gpt2repro.training import memory
 from gpt2repro.training.train_config import ScaleConfig
-from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, disk_full, error_of,
-                     file_size_limit, final_weights, finish_torchrun, listdir, one_line_error, popen_torchrun, read_log,
-                     run_cli, run_torchrun, said_errors, train, train_records, write_jsonl, write_token_shards)
+from helpers import REPO
+from helpers.files import EXAMPLES, WritesAFile, listdir, write_jsonl, write_token_shards
+from helpers.limits import disk_full, file_size_limit
+from helpers.processes import finish_torchrun, one_line_error, popen_torchrun, run_torchrun, said_errors
+from helpers.runs import (TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, run_cli, train,
+                          train_records)
 from model import GPTConfig, n_params
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]

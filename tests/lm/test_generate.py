@@ -13,7 +13,7 @@ import export_hf
 from gpt2repro.lm import generate
 from gpt2repro.lm.generate import GenerationConfig, left_pad
 from gpt2repro.lm.tokenizer import EOT
-from helpers import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
+from helpers.models import make_eot_gpt, make_tiny_gpt, save_as_checkpoint
 
 LENGTHS = (5, 9, 2, 7)
 

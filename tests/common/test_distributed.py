@@ -11,7 +11,10 @@ from gpt2repro.common import distributed
 from gpt2repro.common.distributed import RunError, agree, every_rank, on_every_rank
 from gpt2repro.lm.data import write_shard
 from gpt2repro.runs import checkpoint_files
-from helpers import REPO, TINY, run_torchrun, said_errors, torchrun_root_cause, write_token_shards
+from helpers import REPO
+from helpers.files import write_token_shards
+from helpers.processes import run_torchrun, said_errors, torchrun_root_cause
+from helpers.runs import TINY
 
 
 def test_in_one_process_every_rank_is_this_one_and_agree_raises_its_error():
@@ -172,7 +175,7 @@ def run_two_nodes(*args, stop_at_step=None):
     import socket
     import subprocess
     import time
-    from helpers import finish_torchrun
+    from helpers.processes import finish_torchrun
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -209,7 +212,8 @@ def test_two_nodes_train_as_one_node_of_two_processes_and_resume_after_one_is_pr
     """Two torchrun launchers (--nnodes=2, one process each) on one machine, sharing --log_dir,
     as the README's multi-node command runs, with node 1 preempted and both relaunched, train
     exactly as one node of two processes: the same losses, step for step."""
-    from helpers import read_log, run_torchrun, train_records
+    from helpers.processes import run_torchrun
+    from helpers.runs import read_log, train_records
     one_node = run_torchrun(*TWO_NODES, "--data_dir", shards, "--log_dir", tmp_path / "one_node")
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     expected = [r["train_loss"] for r in train_records(read_log(tmp_path / "one_node"))]

@@ -13,7 +13,9 @@ import train_gpt2
 from gpt2repro.common import cli
 from gpt2repro.common.cli import MAX_CONFIG_BYTES, preset_names
 from gpt2repro.training import train_config
-from helpers import REPO, error_of, exit_message, one_line_error, run_bounded
+from helpers import REPO
+from helpers.processes import exit_message, one_line_error, run_bounded
+from helpers.runs import error_of
 
 
 def write(path, text):

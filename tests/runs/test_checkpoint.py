@@ -17,9 +17,11 @@ import hellaswag
 import sample
 from gpt2repro.runs import checkpoint, checkpoint_files, loading, optimizer_state
 from gpt2repro.training.optimizers import build_optimizer
-from helpers import (EXAMPLES, REPO, TINY, TINY_CONFIG, WritesAFile, assert_same_run, declare_bytes, error_of,
-                     exit_message, make_tiny_gpt, one_line_error, read_metadata, run_bounded, run_torchrun, said_errors,
-                     save_as_checkpoint, train, write_jsonl)
+from helpers import REPO
+from helpers.files import EXAMPLES, WritesAFile, declare_bytes, read_metadata, write_jsonl
+from helpers.models import make_tiny_gpt, save_as_checkpoint
+from helpers.processes import exit_message, one_line_error, run_bounded, run_torchrun, said_errors
+from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, train
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
