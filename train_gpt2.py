@@ -28,6 +28,7 @@ from gpt2repro.common.distributed import RunError, agree, on_every_rank
 from gpt2repro.common.inputs import first_line
 from gpt2repro.lm import generate
 from gpt2repro.lm.data import ShardError, ShardLoader, list_shards
+from gpt2repro.lm.loss import pick_loss
 from gpt2repro.lm.tokenizer import gpt2_vocab_problem
 from gpt2repro.runs import logdir
 from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, training_parts
@@ -93,10 +94,10 @@ class Processes:
 def setup(cfg):
     """Processes, log_dir, model, data, optimizer and the state to resume from, in that order.
     Every check that can fail runs on every rank, and stops them all alike. cfg stays as asked; what
-    it settles to on this machine is settled here, each once: how the step runs (StepConfig.settle),
+    it settles to on this machine is settled here, each once: how the step runs (settle_step),
     the micro-batch (memory.resolve_micro_batch: the train loader's) and what it evaluates."""
     procs = start_processes(cfg)
-    step_config = StepConfig.settle(cfg, procs.device, procs.log)  # a loss that cannot run here: before log_dir
+    step_config = settle_step(cfg, procs.device, procs.log)  # a loss that cannot run here: before log_dir
     on_every_rank(logdir.make_log_dir, cfg.log_dir)  # claimed against a second run, tidied and checked
     log_dir_lock = on_every_rank(logdir.claim_log_dir, cfg.log_dir, procs.rank == 0)
     on_every_rank(logdir.tidy_log_dir, cfg.log_dir, cfg.checkpoints.resume, procs.log, procs.rank == 0)
@@ -195,6 +196,20 @@ def load_data(cfg, gpt_config, micro_batch, procs):
     procs.log(f"world size {procs.world_size}, device {procs.device}, {train_loader.micro_steps(tokens)} micro-steps "
               f"of {train_loader.B}x{cfg.batch.seq_len} tokens per step of {tokens}")
     return train_loader, val_loader
+
+
+def settle_step(cfg, device, log):
+    """The StepConfig of the run of cfg on device, its autos settled there: the loss's kind
+    (loss.pick_loss; a RunError for one that cannot run there), the autocast dtype and whether it
+    compiles (their notes to log)."""
+    device_type, runtime = device.split(":")[0], cfg.runtime
+    try:
+        loss_kind = pick_loss(runtime.loss_kind, device_type)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    compile_mode = runtime.compile_mode if devices.resolve_compile(runtime.compile, device_type, log) else None
+    return StepConfig(devices.pick_dtype(runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
+                      bool(cfg.scale.fsdp), loss_kind, compile_mode)
 
 
 def settle_evaluation(cfg, gpt_config, val_loader, log):
@@ -398,7 +413,7 @@ def estimate_val_loss(trainable, loader, steps):
         for _ in range(steps):
             x, y = (to_device(b, trainable.device) for b in loader.next_batch())
             with trainable.forward_context():
-                total += trainable.step_model(x, y, **trainable.loss_options())[1]
+                total += trainable.step_model(x, y, loss_kind=trainable.step_config.loss_kind)[1]
     if dist.is_initialized():
         dist.all_reduce(total)
     return total.item() / (steps * distributed.world_size())

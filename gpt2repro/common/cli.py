@@ -10,7 +10,7 @@ import tomllib
 
 from gpt2repro import REPO
 from gpt2repro.common.atomic import check_writable
-from gpt2repro.common.inputs import UnreadableFile, brief, first_line, open_regular
+from gpt2repro.common.inputs import UnreadableFile, brief, first_line, read_bytes
 
 
 CONFIG_DIR = os.path.join(REPO, "configs")
@@ -52,14 +52,11 @@ def read_config(path):
     """The key-value pairs of the TOML file at path: a regular file (a FIFO or /dev/zero would
     never end) of at most MAX_CONFIG_BYTES."""
     try:
-        with open_regular(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        data = read_bytes(path, MAX_CONFIG_BYTES, "not a config file")
     except UnreadableFile as e:
         raise ConfigError(str(e)) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES:,} bytes: not a config file")
     try:
         return tomllib.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # TOMLDecodeError, not UTF-8, an integer of 4,300+ digits; nested thousands deep

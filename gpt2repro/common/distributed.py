@@ -101,10 +101,10 @@ def on_every_rank(fn, *args, errors=()):
     return result
 
 
-def any_rank(*flags):
-    """For each of flags, whether it is true on any rank: one all-reduce, on the host (the
-    "signals" group), so asking never waits for the GPU's queue."""
-    found = torch.tensor([float(flag) for flag in flags])
+def any_rank(*conditions):
+    """For each of conditions (booleans), whether it is true on any rank: one all-reduce, on the
+    host (the "signals" group), so asking never waits for the GPU's queue."""
+    found = torch.tensor([float(condition) for condition in conditions])
     if dist.is_initialized():
         dist.all_reduce(found, group=host_group("signals"))
     return [bool(value) for value in found.tolist()]
@@ -162,11 +162,11 @@ class StopSignal:
         self.previous = [signal.signal(sig, self._handle) for sig in self.SIGNALS]
         return self
 
-    def requested(self, *flags):
-        """[whether any rank has been asked to stop, then whether each of flags is true on any
+    def requested(self, *conditions):
+        """[whether any rank has been asked to stop, then whether each of conditions is true on any
         rank]: one all-reduce (any_rank). Every rank calls it at the same points and gets the same
         answers: the signal reaches the ranks at different moments."""
-        return any_rank(self.received is not None, *flags)
+        return any_rank(self.received is not None, *conditions)
 
     def __exit__(self, *exc):
         for sig, handler in zip(self.SIGNALS, self.previous):

@@ -92,6 +92,18 @@ def open_regular(path, mode="r", **open_args):
         raise
 
 
+def read_bytes(path, max_bytes, what):
+    """The bytes of the regular file at path; past max_bytes (only max_bytes + 1 are read)
+    UnreadableFile "PATH: more than N bytes: WHAT", what saying what such a file cannot be; else as
+    open_regular."""
+    with open_regular(path, "rb") as f:
+        # Up to its size: read(n) allocates n bytes first, and a large n fails under a memory limit.
+        data = f.read(min(os.fstat(f.fileno()).st_size, max_bytes) + 1)
+    if len(data) > max_bytes:
+        raise UnreadableFile(f"{path}: more than {max_bytes:,} bytes: {what}")
+    return data
+
+
 def read_text(path, max_chars=MAX_LINE_CHARS):
     """The whole file, as is (\r\n stays \r\n); UnreadableFile past max_chars characters (only
     max_chars + 1 are read), else as open_regular, or UnicodeDecodeError."""

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from gpt2repro.common.inputs import UnreadableFile, brief, first_line, open_regular
+from gpt2repro.common.inputs import UnreadableFile, brief, first_line, open_regular, read_bytes
 
 # Chunks of one tensor: one per rank that holds a piece of it. Bounds the all-pairs overlap check.
 MAX_CHUNKS = 1 << 12
@@ -87,17 +87,13 @@ def read_metadata(path):
     file = os.path.join(path, ".metadata")
     refuse_link(file)
     try:
-        with open_regular(file, "rb") as f:
-            # Up to its size: read(n) allocates n bytes first, and 1 GiB fails under a memory limit
-            data = f.read(min(os.fstat(f.fileno()).st_size, MAX_METADATA_BYTES) + 1)
+        data = read_bytes(file, MAX_METADATA_BYTES, "no metadata that DCP writes")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata)") from None
     except UnreadableFile as e:
         raise CheckpointError(str(e)) from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read it ({first_line(e)})") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{file}: more than {MAX_METADATA_BYTES:,} bytes: no metadata that DCP writes")
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:

@@ -15,39 +15,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpt2repro.common import devices, distributed
 from gpt2repro.common.devices import autocast, synchronize
 from gpt2repro.common.distributed import RunError
-from gpt2repro.lm.loss import pick_loss
 from gpt2repro.training import fsdp
 from gpt2repro.training.optimizers import OptimizerConfig, build_optimizer, set_lr
-from gpt2repro.training.train_config import ScaleConfig
 from model import GPT
 
 # ----------------------------------------------------------------------------- what the step works on
 
 @dataclass(frozen=True)
 class StepConfig:
-    """How build_trainable builds a Trainable and how its steps run: the run's optimizer and
-    scale settings, and what its flags settle to on one device (the loss's kind, the dtype, compiled
-    or not), nothing auto left."""
+    """How build_trainable builds a Trainable and how its steps run, nothing left auto: a run's
+    flags as they settle on its device (train_gpt2.settle_step), or a benchmark's own choice."""
     dtype: torch.dtype  # autocast's; float32 is none
     tokens_per_step: int  # over all ranks: each rank's micro-batches accumulate to its share
     optimizer: OptimizerConfig = OptimizerConfig()  # the recipe's AdamW, and its clipping
-    scale: ScaleConfig = ScaleConfig()  # FSDP (recompute is the model's own)
+    fsdp: bool = False  # sharded over the ranks (FSDP2), else replicated (DDP); recompute is the model's own
     loss_kind: str = "masked"  # how the loss is computed: one of loss.LOSSES
     compile_mode: str | None = None  # None: eager
-
-    @classmethod
-    def settle(cls, cfg, device, log):
-        """The StepConfig of the run of cfg (a TrainConfig) on device, its autos settled there: the
-        loss's kind (loss.pick_loss; a RunError for one that cannot run there), the autocast dtype
-        and whether it compiles (their notes to log)."""
-        device_type, runtime = device.split(":")[0], cfg.runtime
-        try:
-            loss_kind = pick_loss(runtime.loss_kind, device_type)
-        except ValueError as e:
-            raise RunError(str(e)) from None
-        compile_mode = runtime.compile_mode if devices.resolve_compile(runtime.compile, device_type, log) else None
-        return cls(devices.pick_dtype(runtime.dtype, device_type, log), cfg.batch.total_batch_size, cfg.optimizer,
-                   cfg.scale, loss_kind, compile_mode)
 
 
 @dataclass
@@ -60,10 +43,6 @@ class Trainable:
     device: str
     step_config: StepConfig  # what it was built with: the dtype, step size, clipping and loss its steps use
 
-    def loss_options(self):
-        """The training forward's keywords that pick how the loss is computed (StepConfig.loss_kind)."""
-        return dict(loss_kind=self.step_config.loss_kind)
-
     def ddp(self):
         """The DDP wrapper the forward runs through (under torch.compile's), or None."""
         model = getattr(self.step_model, "_orig_mod", self.step_model)
@@ -74,17 +53,17 @@ class Trainable:
         return autocast(self.device.split(":")[0], self.step_config.dtype)
 
 
-def build_trainable(raw_model, device, config, init=None):
-    """The Trainable of a GPT, as config (a StepConfig) says: on device, DDP-wrapped across ranks,
-    then compiled in config.compile_mode; compiling the DDP wrapper, not the model inside it, lets
+def build_trainable(raw_model, device, step_config, init=None):
+    """The Trainable of a GPT, as step_config says: on device, DDP-wrapped across ranks, then
+    compiled in step_config.compile_mode; compiling the DDP wrapper, not the model inside it, lets
     dynamo cut the graph at DDP's buckets, so the all-reduce of one bucket overlaps the backward of
-    the rest. Or, with config.scale.fsdp, sharded over the ranks (see fsdp.py), and built on the meta
-    device when init is its recorded initialisation. Then config.optimizer over the parameters or
-    their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is its
-    own (train_gpt2.build_model). config is settled for device (StepConfig.settle): nothing auto."""
-    dtype = config.dtype
-    if config.scale.fsdp:
-        model = fsdp.apply_fsdp(raw_model, dtype, config.compile_mode, qkv_by_columns=config.optimizer.name == "muon")
+    the rest. Or, with step_config.fsdp, sharded over the ranks (see fsdp.py), and built on the meta
+    device when init is its recorded initialisation. Then step_config.optimizer over the parameters
+    or their FSDP slices (optimizers.build_optimizer). How the model runs (recompute, attention) is
+    its own (train_gpt2.build_model)."""
+    if step_config.fsdp:
+        model = fsdp.apply_fsdp(raw_model, step_config.dtype, step_config.compile_mode,
+                               qkv_by_columns=step_config.optimizer.name == "muon")
         if init is not None:
             fsdp.materialize(raw_model, init, device)
     else:
@@ -93,13 +72,13 @@ def build_trainable(raw_model, device, config, init=None):
             # Gradients as views into DDP's all-reduce buckets (kept, see train_step): no second copy.
             model = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
                         gradient_as_bucket_view=True)
-        if config.compile_mode is not None:
-            model = devices.compiled(model, config.compile_mode)
-    optimizer = build_optimizer(raw_model, config.optimizer, device.split(":")[0])
+        if step_config.compile_mode is not None:
+            model = devices.compiled(model, step_config.compile_mode)
+    optimizer = build_optimizer(raw_model, step_config.optimizer, device.split(":")[0])
     # Under FSDP a rank's slice may hold an overflow that the others lack: the sharded scaler agrees on it.
-    scaler = (ShardedGradScaler if config.scale.fsdp else torch.amp.GradScaler)(device.split(":")[0],
-                                                                         enabled=dtype == torch.float16)
-    return Trainable(model, raw_model, optimizer, scaler, device, config)
+    scaler = (ShardedGradScaler if step_config.fsdp else torch.amp.GradScaler)(
+        device.split(":")[0], enabled=step_config.dtype == torch.float16)
+    return Trainable(model, raw_model, optimizer, scaler, device, step_config)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -121,10 +100,10 @@ class StepOutOfMemory(Exception):
     """A training step that ran out of memory on some rank: every rank dropped its partial work."""
 
 
-def no_stop(*flags):
-    """train_step's stop_requested where no signal stops a step: [False, then whether each of flags
-    is true on any rank]."""
-    return distributed.any_rank(False, *flags)
+def no_stop(*conditions):
+    """train_step's stop_requested where no signal stops a step: [False, then whether each of
+    conditions is true on any rank]."""
+    return distributed.any_rank(False, *conditions)
 
 
 def train_step(trainable, loader, lr, stop_requested=no_stop):
@@ -151,7 +130,7 @@ def train_step(trainable, loader, lr, stop_requested=no_stop):
         last = micro_step == grad_accum_steps - 1
         try:
             with trainable.step_model.no_sync() if ddp and not last else nullcontext(), trainable.forward_context():
-                loss = trainable.step_model(x, y, **trainable.loss_options())[1]  # [1]: no logits kept
+                loss = trainable.step_model(x, y, loss_kind=trainable.step_config.loss_kind)[1]  # [1]: no logits kept
         except RuntimeError as e:
             if not devices.is_out_of_memory(e):
                 raise
