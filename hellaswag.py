@@ -12,6 +12,10 @@ the right, where causal attention never looks, and pad positions are left out of
 
 train_gpt2.py scores its periodic evals with load_for_run and accuracy_over_ranks.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import contextlib
 import http.client
 import json

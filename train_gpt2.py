@@ -7,6 +7,10 @@
 The defaults are the GPT-2 (124M) reproduction: 524,288-token batches, AdamW at 6e-4
 with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B tokens).
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import math
 import os
 import sys
@@ -22,7 +26,7 @@ import fineweb
 import hellaswag
 from gpt2repro.common import devices, distributed
 from gpt2repro.common.atomic import remove_if_unused
-from gpt2repro.common.cli import print_error, tell_torchrun
+from gpt2repro.common.cli import INTERRUPTED, print_error, tell_torchrun
 from gpt2repro.common.devices import peak_flops
 from gpt2repro.common.distributed import RunError, Stopped, agree, never_stop, on_every_rank
 from gpt2repro.common.inputs import first_line
@@ -445,7 +449,7 @@ def main(argv=None):
         error, code = distributed.fail_alone(str(e)), 1
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
         interrupted = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest"
-        error, code = interrupted if rank == 0 else None, 130
+        error, code = interrupted if rank == 0 else None, INTERRUPTED
     except Exception as e:
         # A collective that failed because another rank failed alone and left, or an error of this
         # rank's own: its traceback follows, and the others learn of it.
