@@ -15,6 +15,10 @@ device's dense matmul rate, the ceiling the FLOP rates are read against. It asse
 MFU counts training FLOPs per token as 6N + 12·L·H·Q·T (PaLM, appendix B; N without the
 position embedding) against the device's dense bf16 peak.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import argparse
 import datetime
 import functools

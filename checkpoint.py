@@ -3,6 +3,10 @@ export_hf.py read either, and a run resumes from either.
 
     python checkpoint.py log/ckpt_019073 log/ckpt_019073.pt
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import os
 import sys
 

@@ -9,6 +9,10 @@ Face GPT-2 directory, or gpt2 ... gpt2-xl. A vocabulary padded for speed (50304)
 cut back to GPT-2's 50257 tokens. The export is written to a temporary directory,
 checked against the source model, and only then renamed to OUT_DIR.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import json
 import os
 import shutil

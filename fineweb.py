@@ -11,6 +11,10 @@ holds the rest, and a document may span shards). Shard 0 is val, the others trai
 owns the file format. A manifest next to the shards records which corpus they hold and how
 far the run got, so a rerun resumes an interrupted run and refuses to mix two corpora.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import argparse
 import collections
 import contextlib
@@ -740,14 +744,18 @@ def parse_args(argv):
 
 
 @contextlib.contextmanager
-def sigterm_as_ctrl_c():
-    """Within it SIGTERM raises KeyboardInterrupt, as Ctrl-C does: its default, dying at once,
-    would leave the pool's workers running, orphaned."""
-    previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+def stops_as_ctrl_c():
+    """Within it SIGTERM and SIGINT (STOP_SIGNALS) raise KeyboardInterrupt, which main answers with
+    its line: SIGTERM's default, dying at once, would leave the pool's workers running, orphaned,
+    and SIGINT's handler until then (cli.exit_on_ctrl_c) would exit without that line. A SIGINT
+    ignored from the start (a job started in the background) stays ignored."""
+    stops = [s for s in STOP_SIGNALS if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN]
+    previous = [signal.signal(signum, raise_keyboard_interrupt) for signum in stops]
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in zip(stops, previous):
+            signal.signal(signum, handler)
 
 
 def raise_keyboard_interrupt(signum, frame):
@@ -762,7 +770,7 @@ def main(argv=None):
         return e.code
     job = ShardingJob(args.output_dir, args.prefix, args.shard_size, args.num_proc, progress=True)
     try:
-        with sigterm_as_ctrl_c():
+        with stops_as_ctrl_c():
             if args.input:
                 summary = shard_local_files(args.input, job, args.text_field)
             else:

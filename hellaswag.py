@@ -12,6 +12,10 @@ the right, where causal attention never looks, and pad positions are left out of
 
 train_gpt2.py scores its periodic evals with load_for_run and accuracy_over_ranks.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import contextlib
 import http.client
 import json
@@ -26,12 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from gpt2repro.training import fsdp
-
 from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, pick_dtype
-from gpt2repro.common.distributed import every_rank
+from gpt2repro.common.distributed import Stopped, every_rank, never_stop
 from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines
 from gpt2repro.common.progress import progress_meter
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
@@ -245,16 +247,19 @@ def logits_per_chunk(device):
     return min(LOGITS_BYTES["gpu"], free // 8) // 4
 
 
-def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
+def score_batches(model, examples, device, batch_size=16, dtype=torch.float32, stop_requested=never_stop):
     """Yields (keys, sum_loss, mean_loss) per forward pass of batch_size * 4 rows: keys the
     (example index, ending index) of each row, the losses float32 CPU tensors (len(keys),).
     Rows go longest first, whichever example they come from: a batch of near-equal lengths
     wastes almost nothing on padding (an example's own four endings differ more), and the
-    largest batch, the likeliest to run out of memory, runs at once rather than at the end."""
+    largest batch, the likeliest to run out of memory, runs at once rather than at the end.
+    Stopped where stop_requested() is true before a forward pass."""
     rows = [((i, j), row) for i, example in enumerate(examples)
             for j, row in enumerate(example_rows(example, model.config.block_size))]
     rows.sort(key=lambda keyed_row: -len(keyed_row[1][0]))
     for b in range(0, len(rows), batch_size * N_ENDINGS):
+        if stop_requested():
+            raise Stopped
         batch = rows[b : b + batch_size * N_ENDINGS]
         total, mean = ending_losses(model, [row for _, row in batch], device, dtype)
         yield [key for key, _ in batch], total.cpu(), mean.cpu()
@@ -270,12 +275,13 @@ class ScoringConfig:
     progress: bool = False  # a progress meter on stderr
 
 
-def count_correct(model, examples, config, rank=0, world_size=1, equal_shares=False):
+def count_correct(model, examples, config, rank=0, world_size=1, equal_shares=False, stop_requested=never_stop):
     """Scores this rank's share, examples[rank::world_size], as config says, and returns its LOCAL
     counts {"n", "correct", "correct_norm"} for the caller to sum over ranks. The model is used as
     given: the caller puts it on config.device and in eval mode. equal_shares: every rank runs as
-    many forward passes (under FSDP each one gathers weights from all ranks), a short share being
-    padded with repeats of an example that are scored but not counted."""
+    many forward passes (under FSDP each one gathers weights from all ranks; every rank asks
+    stop_requested before each), a short share being padded with repeats of an example that are
+    scored but not counted. Stopped where stop_requested() is true before a forward pass."""
     share = examples[rank::world_size]
     n = len(share)
     if equal_shares:
@@ -284,21 +290,21 @@ def count_correct(model, examples, config, rank=0, world_size=1, equal_shares=Fa
     sum_loss, mean_loss = torch.zeros(len(share), N_ENDINGS), torch.zeros(len(share), N_ENDINGS)
     rows_left = [N_ENDINGS] * len(share)
     done = correct = correct_norm = 0
-    bar = progress_meter("hellaswag", "ex", total=n, disable=not config.progress)
-    for keys, total, mean in score_batches(model, share, config.device, config.batch_size, config.dtype):
-        i, j = torch.tensor(keys).T
-        sum_loss[i, j], mean_loss[i, j] = total, mean
-        finished = []  # counted examples whose last row was in this batch
-        for example, _ in keys:
-            rows_left[example] -= 1
-            if rows_left[example] == 0 and example < n:
-                finished.append(example)
-        correct += (sum_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
-        correct_norm += (mean_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
-        done += len(finished)
-        bar.set_postfix(acc_norm=f"{correct_norm / max(done, 1):.4f}", refresh=False)
-        bar.update(len(finished))
-    bar.close()
+    batches = score_batches(model, share, config.device, config.batch_size, config.dtype, stop_requested)
+    with contextlib.closing(progress_meter("hellaswag", "ex", total=n, disable=not config.progress)) as bar:
+        for keys, total, mean in batches:
+            i, j = torch.tensor(keys).T
+            sum_loss[i, j], mean_loss[i, j] = total, mean
+            finished = []  # counted examples whose last row was in this batch
+            for example, _ in keys:
+                rows_left[example] -= 1
+                if rows_left[example] == 0 and example < n:
+                    finished.append(example)
+            correct += (sum_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
+            correct_norm += (mean_loss[finished].argmin(dim=1) == labels[finished]).sum().item()
+            done += len(finished)
+            bar.set_postfix(acc_norm=f"{correct_norm / max(done, 1):.4f}", refresh=False)
+            bar.update(len(finished))
     return {"n": n, "correct": correct, "correct_norm": correct_norm}
 
 
@@ -338,10 +344,12 @@ def load_for_run(eval_config, local_rank, gpt_config, log):
 
 
 @torch.no_grad()
-def accuracy_over_ranks(model, examples, config, rank=0, world_size=1):
+def accuracy_over_ranks(model, examples, config, rank=0, world_size=1, stop_requested=never_stop):
     """(acc, acc_norm, n) of model, a GPT in evaluation mode, FSDP-sharded or not, with the examples
-    split across ranks as config says and the counts summed."""
-    counts = count_correct(model, examples, config, rank, world_size, equal_shares=fsdp.is_sharded(model))
+    split across ranks as config says and the counts summed. Every rank runs as many forward
+    passes, asking stop_requested before each (Stopped on every rank alike)."""
+    counts = count_correct(model, examples, config, rank, world_size, equal_shares=world_size > 1,
+                           stop_requested=stop_requested)
     total = torch.tensor([counts["n"], counts["correct"], counts["correct_norm"]], device=config.device,
                          dtype=torch.long)
     if dist.is_initialized():

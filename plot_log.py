@@ -4,6 +4,10 @@ against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
     python plot_log.py log/                       # writes log/plot.png
     python plot_log.py log_a/ log_b/ -o runs.png  # several runs on one figure
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import json
 import math
 import os

@@ -9,6 +9,10 @@ search, for one prompt or a file of them, run --batch_size prompts at a time.
 GPT-2 directory (export_hf.py writes one), or gpt2 ... gpt2-xl. Each prompt's results are
 printed as soon as they are finished; generation uses the model's KV cache.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import argparse
 import json
 import sys

@@ -7,6 +7,10 @@
 The defaults are the GPT-2 (124M) reproduction: 524,288-token batches, AdamW at 6e-4
 with 715 warmup steps and cosine decay to 10% at step 19,073 (one pass over 10B tokens).
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import math
 import os
 import sys
@@ -22,9 +26,9 @@ import fineweb
 import hellaswag
 from gpt2repro.common import devices, distributed
 from gpt2repro.common.atomic import remove_if_unused
-from gpt2repro.common.cli import print_error, tell_torchrun
+from gpt2repro.common.cli import INTERRUPTED, print_error, tell_torchrun
 from gpt2repro.common.devices import peak_flops
-from gpt2repro.common.distributed import RunError, agree, on_every_rank
+from gpt2repro.common.distributed import RunError, Stopped, agree, never_stop, on_every_rank
 from gpt2repro.common.inputs import first_line
 from gpt2repro.lm import generate
 from gpt2repro.lm.data import ShardError, ShardLoader, list_shards
@@ -256,28 +260,30 @@ def train(requested):
         faults = Faults(cfg.runtime.fault, run.rank, trainable.raw_model, range(run.start_step, cfg.schedule.max_steps))
         bad_steps = 0  # non-finite steps in a row
         val = None  # (step, loss) of the newest val loss
-        step, stopped = run.start_step, stop.requested()[0]
+        # What a stop cut short (None: no stop), and whether step's checkpoint is written.
+        step, stopped, saved = run.start_step, "its start-up cut short" if stop.requested()[0] else None, False
         if trainable.step_config.compile_mode and not stopped:
             log(f"compiling the model (torch.compile, mode {trainable.step_config.compile_mode}): "
                 f"its first forward passes take longer")
         while not stopped:
             last_step = step >= cfg.schedule.max_steps
-            if run.checkpointer.due(step, run.start_step, last_step):
+            saved = run.checkpointer.due(step, run.start_step, last_step)
+            if saved:
                 run.checkpointer.save(step, cfg.flags())
-            if cfg.eval.eval_interval and (step % cfg.eval.eval_interval == 0 or last_step):
-                val_loss = evaluate(run, step)
-                val = val if val_loss is None else (step, val_loss)
-            samples = run.evaluation.sample_interval
-            if samples and (step % samples == 0 or last_step) and step > 0:
-                write_samples(run, step)
+            try:
+                val_loss = evaluate_at(run, step, last_step, stop.heard)
+            except Stopped:
+                stopped = "its evaluation cut short"
+                break
+            val = val if val_loss is None else (step, val_loss)
             if last_step:
                 break
 
             faults.before_step(step)
             t0 = time.perf_counter()
             result = fitted_step(run, step, cfg.schedule.lr(step, cfg.optimizer.max_lr), stop.requested)
-            stopped = result is None
-            if stopped:
+            if result is None:
+                stopped = "its partial work dropped"
                 break
             bad_steps = bad_steps + 1 if result.skipped else 0
             log_step(run, step, result, time.perf_counter() - t0, bad_steps)
@@ -286,21 +292,23 @@ def train(requested):
                                f"the newest checkpoint in {cfg.log_dir} predates them: lower --max_lr or check the data")
             step += 1
         if stopped:
-            stop_on_signal(run, step)
+            stop_on_signal(run, step, stopped, saved)
     finish(run, step, stopped, val, time.perf_counter() - t_start)
     return trainable.raw_model
 
 
-def stop_on_signal(run, step):
-    """A stop at step, the step in flight dropped: a checkpoint of the steps this run trained, and
-    none where it trained none (a stop during start-up or the first step), the checkpoint it
-    resumed from, if any, left as it is."""
+def stop_on_signal(run, step, cut, saved):
+    """A stop at step, what was in flight (cut: step's partial work dropped, or its evaluation cut
+    short) given up: a checkpoint of the steps this run trained, unless saved (written at step
+    already), and none where it trained none (a stop during start-up, the first evaluation or the
+    first step), the checkpoint it resumed from, if any, left as it is."""
     if step == run.start_step:
         run.log(f"stopping on a signal at step {step}, before this run trained a step: nothing to save; "
                 f"the same command starts here again")
         return
-    run.checkpointer.save(step, run.cfg.flags())
-    run.log(f"stopping on a signal at step {step}, its partial work dropped; `--resume auto` continues here")
+    if not saved:
+        run.checkpointer.save(step, run.cfg.flags())
+    run.log(f"stopping on a signal at step {step}, {cut}; `--resume auto` continues here")
 
 
 def fitted_step(run, step, lr, stop_requested):
@@ -359,58 +367,74 @@ def log_step(run, step, result, seconds, bad_steps):
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(run, step):
+def evaluate_at(run, step, last_step, stop_requested):
+    """The evaluations due at step: the val loss and HellaSwag every --eval_interval steps, the
+    samples every --sample_interval, each at the last step too. Returns the val loss, None where
+    none was taken. Each asks stop_requested before its every batch, on every rank: Stopped."""
+    val_loss = None
+    if run.cfg.eval.eval_interval and (step % run.cfg.eval.eval_interval == 0 or last_step):
+        val_loss = evaluate(run, step, stop_requested)
+    samples = run.evaluation.sample_interval
+    if samples and (step % samples == 0 or last_step) and step > 0:
+        write_samples(run, step, stop_requested)
+    return val_loss
+
+
+def evaluate(run, step, stop_requested):
     """Val loss and HellaSwag, on every rank, logged by rank 0; returns the val loss, None without val shards."""
     tokens = step * run.cfg.batch.total_batch_size
     val_loss = None
     if run.val_loader is not None:
-        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.evaluation.val_steps)
+        val_loss = estimate_val_loss(run.trainable, run.val_loader, run.evaluation.val_steps, stop_requested)
         if not math.isfinite(val_loss):  # never a result: the weights or the val shards are broken
             raise RunError(f"the val loss at step {step} is {val_loss}: check the val shards "
                            f"({', '.join(shard.path for shard in run.val_loader.shards)})")
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
         run.metrics.write(step=step, tokens=tokens, val_loss=val_loss)
     if run.hellaswag_examples:
-        acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size)
+        acc, acc_norm, n = hellaswag_accuracy(run.trainable, run.hellaswag_examples, run.rank, run.world_size,
+                                              stop_requested)
         run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
         run.metrics.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
     return val_loss
 
 
-def write_samples(run, step):
-    """Samples, logged by rank 0. Under FSDP every forward gathers weights from every rank: all
-    ranks sample alike (the same seed), and rank 0 logs."""
-    if run.rank == 0 or run.cfg.scale.fsdp:
-        texts = sample_texts(run.trainable, seed=run.cfg.runtime.seed + step)
-        run.log("\n".join(f"sample {i}: {text}" for i, text in enumerate(texts)))
-        run.metrics.write(step=step, tokens=step * run.cfg.batch.total_batch_size, samples=texts)
+def write_samples(run, step, stop_requested):
+    """Samples, logged by rank 0. Every rank samples alike (the same seed), so that all ask
+    stop_requested at the same points; under FSDP every forward gathers weights from every rank
+    too. Under DDP the other ranks would only wait for rank 0 at the next step."""
+    texts = sample_texts(run.trainable, run.cfg.runtime.seed + step, stop_requested)
+    run.log("\n".join(f"sample {i}: {text}" for i, text in enumerate(texts)))
+    run.metrics.write(step=step, tokens=step * run.cfg.batch.total_batch_size, samples=texts)
 
 
-def hellaswag_accuracy(trainable, examples, rank, world_size):
+def hellaswag_accuracy(trainable, examples, rank, world_size, stop_requested=never_stop):
     """(acc, acc_norm, n) over every rank's share of the examples, through the plain module in
     evaluation mode: its shapes change from batch to batch, which would recompile a compiled one."""
     model = trainable.raw_model
     scoring = hellaswag.ScoringConfig(trainable.device, dtype=trainable.step_config.dtype, progress=rank == 0)
     with devices.evaluating(model), fsdp.root_gathered(model):
-        return hellaswag.accuracy_over_ranks(model, examples, scoring, rank, world_size)
+        return hellaswag.accuracy_over_ranks(model, examples, scoring, rank, world_size, stop_requested)
 
 
-def sample_texts(trainable, seed):
+def sample_texts(trainable, seed, stop_requested=never_stop):
     """Samples of SAMPLE_PROMPT from the plain module in evaluation mode (a preview: under the
     training autocast). Generation calls hidden_states, not forward: FSDP's root is gathered by hand."""
     model = trainable.raw_model
     with devices.evaluating(model), trainable.forward_context(), fsdp.root_gathered(model):
-        return generate.preview(model, SAMPLE_PROMPT, seed, trainable.device)
+        return generate.preview(model, SAMPLE_PROMPT, seed, trainable.device, stop_requested)
 
 
 @torch.no_grad()
-def estimate_val_loss(trainable, loader, steps):
+def estimate_val_loss(trainable, loader, steps, stop_requested=never_stop):
     """Mean loss over the first `steps` val micro-batches of every rank, averaged over ranks, through
-    the training step's (compiled) model."""
+    the training step's (compiled) model; Stopped where stop_requested() is true before a batch."""
     loader.reset()
     total = torch.zeros((), device=trainable.device)
     with devices.evaluating(trainable.step_model):
         for _ in range(steps):
+            if stop_requested():
+                raise Stopped
             x, y = (to_device(b, trainable.device) for b in loader.next_batch())
             with trainable.forward_context():
                 total += trainable.step_model(x, y, loss_kind=trainable.step_config.loss_kind)[1]
@@ -440,7 +464,7 @@ def main(argv=None):
         error, code = distributed.fail_alone(str(e)), 1
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
         interrupted = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest"
-        error, code = interrupted if rank == 0 else None, 130
+        error, code = interrupted if rank == 0 else None, INTERRUPTED
     except Exception as e:
         # A collective that failed because another rank failed alone and left, or an error of this
         # rank's own: its traceback follows, and the others learn of it.

@@ -470,6 +470,17 @@ def test_a_resume_under_changed_hyperparameters_says_which_old_to_new(shards, tm
         capsys.readouterr().out
 
 
+def test_a_resume_under_another_seq_len_and_seed_says_what_each_changes(shards, tmp_path, capsys):
+    run = ["--total_batch_size", "256", "-B", "8"]
+    train(shards, tmp_path, *run, "--max_steps", "2")
+    capsys.readouterr()
+    train(shards, tmp_path, *run, "--max_steps", "4", "-T", "16", "--seed", "7")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.partition(":")[0] for line in lines if " wins over the checkpoint's" in line] == [
+        "this run's -T wins over the checkpoint's (32 -> 16)",
+        "this run's --seed wins over the checkpoint's (1337 -> 7)"]
+
+
 def test_resume_is_exact_across_several_epochs(tmp_path):
     data = str(tmp_path / "data")
     write_token_shards(data, n_train=3, tokens_per_shard=600, n_val=600)  # 7 steps an epoch

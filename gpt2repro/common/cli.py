@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -167,6 +168,27 @@ def print_error(line):
     """line, a run's one-line error, where the user looks: on stderr, and in torchrun's summary."""
     print(line, file=sys.stderr, flush=True)
     tell_torchrun(line)
+
+
+# 128 + SIGINT: the exit code a shell gives a command that a Ctrl-C ended.
+INTERRUPTED = 130
+
+
+def exit_on_ctrl_c():
+    """Makes a Ctrl-C (SIGINT) end the script with one line on stderr and exit code INTERRUPTED, not
+    a KeyboardInterrupt traceback, until a handler of the script's own replaces this one (the
+    trainer's StopSignal, fineweb.py's). Every script a user runs calls it first thing, run as a
+    script, before the seconds that importing torch takes. The with and finally blocks that the
+    exit leaves run as they would for the traceback: a file being written is removed, not left half-written."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a job started in the background: ignored it stays
+        return
+    script = os.path.basename(sys.argv[0])
+
+    def interrupted(signum, frame):
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank hears it: rank 0 says it
+            os.write(2, f"{script}: interrupted\n".encode())  # not print: the signal may have come mid-print
+        sys.exit(INTERRUPTED)
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def tell_torchrun(line):

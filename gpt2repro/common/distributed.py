@@ -149,6 +149,19 @@ def peer_failure():
     return line if dist.get_rank() == 0 and host != socket.gethostname() else ""
 
 
+class Stopped(Exception):
+    """Raised by a loop that takes a stop_requested (an evaluation's batches: the val loss,
+    HellaSwag, the samples' tokens) where stop_requested() says to stop, which it asks before each
+    batch; the loop's partial result is dropped. stop_requested is asked at the same points on every
+    rank and answers alike on all of them (StopSignal.heard), so all ranks raise at the same batch
+    and none is left waiting at a collective."""
+
+
+def never_stop():
+    """The stop_requested of a loop that nothing stops (see Stopped): no collective."""
+    return False
+
+
 class StopSignal:
     """SIGTERM and SIGINT (what SLURM, Kubernetes, spot instances and torchrun send) ask the run
     to checkpoint and exit, dropping the step in flight; a second SIGINT interrupts at once.
@@ -167,6 +180,11 @@ class StopSignal:
         rank]: one all-reduce (any_rank). Every rank calls it at the same points and gets the same
         answers: the signal reaches the ranks at different moments."""
         return any_rank(self.received is not None, *conditions)
+
+    def heard(self):
+        """Whether any rank has been asked to stop: requested() without flags, the stop_requested
+        that an evaluation loop takes (Stopped)."""
+        return self.requested()[0]
 
     def __exit__(self, *exc):
         for sig, handler in zip(self.SIGNALS, self.previous):

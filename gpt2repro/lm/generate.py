@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from gpt2repro.common.distributed import Stopped, never_stop
 from gpt2repro.lm.tokenizer import get_encoding
 
 DECODES = ("sampling", "greedy", "beam")
@@ -92,12 +93,13 @@ def left_pad(prompts, pad_id, device=None):
 
 
 @torch.no_grad()
-def generate(model, idx, config, n_pad=None, generator=None):
+def generate(model, idx, config, n_pad=None, generator=None, stop_requested=never_stop):
     """Continues each row of idx (B, T), after its n_pad (B,) leading pads, as transformers'
     generate() returns it: (B * num_return_sequences, T + new) ids, each a prompt's row and
-    new ids, those of a finished row padded with eos_token_id. generator: see generate_stream."""
+    new ids, those of a finished row padded with eos_token_id. generator, stop_requested: see
+    generate_stream."""
     outputs = [None] * idx.size(0)
-    for i, rows in generate_stream(model, idx, config, n_pad, generator):
+    for i, rows in generate_stream(model, idx, config, n_pad, generator, stop_requested):
         outputs[i] = rows
     rows = [row for prompt in outputs for row in prompt]
     width = max(map(len, rows))
@@ -106,20 +108,21 @@ def generate(model, idx, config, n_pad=None, generator=None):
 
 
 @torch.no_grad()
-def generate_stream(model, idx, config, n_pad=None, generator=None):
+def generate_stream(model, idx, config, n_pad=None, generator=None, stop_requested=never_stop):
     """Yields (i, outputs) as soon as prompt i (row i of idx) is finished: its
     num_return_sequences lists of new ids, best hypothesis first in beam search, each ending
     with eos_token_id when it stopped there. generator: a torch.Generator that all sampling
     draws from, or a list of one per prompt, so that a prompt's samples are the same in any
-    batch as alone (None: torch's default generator)."""
+    batch as alone (None: torch's default generator). Stopped where stop_requested() is true
+    before a new token's forward pass."""
     if isinstance(generator, (list, tuple)) and len(generator) != idx.size(0):
         raise ValueError(f"{len(generator)} generators for {idx.size(0)} prompts: one a prompt")
     if n_pad is not None and not n_pad.any():
         n_pad = None  # no padding: attention stays SDPA's plain causal kernel
     if config.decode == "beam":
-        yield from beam_search(model, idx, config, n_pad)
+        yield from beam_search(model, idx, config, n_pad, stop_requested)
     else:
-        yield from greedy_or_sample(model, idx, config, n_pad, generator)
+        yield from greedy_or_sample(model, idx, config, n_pad, generator, stop_requested)
 
 
 def new_cache(model, config):
@@ -210,7 +213,7 @@ def truncate_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def greedy_or_sample(model, idx, config, n_pad, generator):
+def greedy_or_sample(model, idx, config, n_pad, generator, stop_requested):
     """Greedy search and sampling: num_return_sequences rows a prompt, each a token a step."""
     n, eos = config.num_return_sequences, config.eos_token_id
     seqs = idx.repeat_interleave(n, dim=0)
@@ -219,6 +222,8 @@ def greedy_or_sample(model, idx, config, n_pad, generator):
     reported = torch.zeros(idx.size(0), dtype=torch.bool)
     kv_cache = new_cache(model, config)
     for step in range(config.max_new_tokens):
+        if stop_requested():
+            raise Stopped
         logits = penalize(next_logits(model, seqs, n_pad, kv_cache), seqs, n_pad, step, config)
         if config.decode == "greedy":
             token = logits.argmax(dim=-1, keepdim=True)
@@ -243,7 +248,7 @@ def until_eos(ids, eos):
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def beam_search(model, idx, config, n_pad):
+def beam_search(model, idx, config, n_pad, stop_requested):
     """transformers' beam search, a prompt's num_beams beams side by side in the batch."""
     B, T = idx.shape
     beams, eos, V = config.num_beams, config.eos_token_id, model.n_tokens
@@ -260,6 +265,8 @@ def beam_search(model, idx, config, n_pad):
     reported = torch.zeros(B, dtype=torch.bool)
     kv_cache = new_cache(model, config)
     for step in range(config.max_new_tokens):
+        if stop_requested():
+            raise Stopped
         log_probs = F.log_softmax(next_logits(model, seqs, n_pad, kv_cache), dim=-1)
         log_probs = penalize(log_probs, seqs, n_pad, step, config)
         scores, top = (log_probs.view(B, beams, V) + running[..., None]).view(B, beams * V).topk(K)
@@ -301,11 +308,13 @@ def beam_search(model, idx, config, n_pad):
 
 
 @torch.no_grad()
-def preview(model, prompt, seed, device, num_samples=4, max_new_tokens=32):
+def preview(model, prompt, seed, device, stop_requested=never_stop, num_samples=4, max_new_tokens=32):
     """num_samples texts continuing prompt (text), top-k 50, from model, a GPT on device in
-    evaluation mode (a training run's preview; the caller holds its autocast)."""
+    evaluation mode (a training run's preview; the caller holds its autocast). Every token's
+    forward pass asks stop_requested first (generate_stream): every rank runs as many."""
     enc = get_encoding()
     ids = torch.tensor(enc.encode_ordinary(prompt), device=device).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = generate(model, ids, GenerationConfig(max_new_tokens=max_new_tokens, top_k=50), generator=generator)
+    out = generate(model, ids, GenerationConfig(max_new_tokens=max_new_tokens, top_k=50), generator=generator,
+                   stop_requested=stop_requested)
     return [enc.decode(row) for row in out.tolist()]

@@ -114,6 +114,8 @@ class Checkpointer:
         changed = changed_hyperparameters(recorded_flags(state), flags)
         if changed:
             self.log(f"this run's flags win over the checkpoint's: {', '.join(changed)}")
+        for line in changed_inputs(recorded_flags(state), flags, self.parts["train_loader"].loader.epoch):
+            self.log(line)
         if resume != "auto" and step < max_steps:
             check_no_later_checkpoints(self.log_dir, step)
         return step
@@ -429,6 +431,30 @@ def changed_hyperparameters(saved_flags, flags):
         return []
     return [f"{name} {brief(saved_flags[name])} -> {flags[name]}" for name in HYPERPARAMETER_FLAGS
             if name in saved_flags and name in flags and saved_flags[name] != flags[name]]
+
+
+def changed_inputs(saved_flags, flags, epoch):
+    """A line for each flag that sets what the run reads, -T and --seed, whose value in flags differs
+    from saved_flags (as changed_hyperparameters), saying what the change does to a run resumed in
+    its epoch (the loader's, from 0): this run's value wins there too."""
+    if not isinstance(saved_flags, dict):
+        return []
+    changed = {name: f"({brief(saved_flags[name])} -> {flags[name]})" for name in ("seq_len", "seed")
+               if name in saved_flags and name in flags and saved_flags[name] != flags[name]}
+    lines = []
+    if "seq_len" in changed:
+        lines.append(f"this run's -T wins over the checkpoint's {changed['seq_len']}: the model trains on sequences "
+                     f"of {flags['seq_len']} tokens from here, cut from the data at other places; its val loss, over "
+                     f"such sequences too, is not comparable with the one before")
+    if "seed" in changed:
+        # The seed shuffles each epoch after the first (data.ShardLoader); the random states that
+        # draw dropout's masks are the checkpoint's, restored.
+        order = ("the data is read in file order all the same (--shuffle 0)" if not flags.get("shuffle") else
+                 "the epochs after the first, which it shuffles, are read in another order" if epoch == 0 else
+                 "this epoch and the later ones, which it shuffles, are read in another order: some of this "
+                 "epoch's sequences are read twice, others not at all")
+        lines.append(f"this run's --seed wins over the checkpoint's {changed['seed']}: {order}, and the samples differ")
+    return lines
 
 
 def model_of(path, config, dropout=None, **options):

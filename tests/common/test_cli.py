@@ -3,6 +3,7 @@ and checked against the flags, each problem one line naming the file and the key
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -324,3 +325,51 @@ def test_every_script_stops_on_an_old_torch_with_one_line_and_exit_code_1():
                                 cwd=REPO, capture_output=True, text=True, timeout=120)
         assert (script, result.returncode, result.stdout, result.stderr) == \
             (script, 1, "", TOO_OLD.format("2.8.0+cu128") + "\n")
+
+
+# On PYTHONPATH as sitecustomize, which Python runs before the script: the script's first import of
+# a module from neither the standard library nor this repository's package (torch, numpy, matplotlib)
+# says so and then waits, as a slow import would, until the signal the test sends interrupts it.
+SLOW_FIRST_IMPORT = """
+import importlib.abc, sys, time
+
+class SlowFirstImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in (*sys.stdlib_module_names, "gpt2repro", "usercustomize"):
+            return None
+        sys.meta_path.remove(self)
+        print(f"importing {name}", flush=True)
+        while True:
+            time.sleep(0.01)
+
+sys.meta_path.insert(0, SlowFirstImport())
+"""
+
+
+@pytest.mark.parametrize("script", ["train_gpt2.py", "sample.py", "hellaswag.py", "export_hf.py", "fineweb.py",
+                                    "bench.py", "checkpoint.py", "plot_log.py"])
+def test_a_ctrl_c_while_a_script_imports_is_one_line_and_exit_code_130(tmp_path, script):
+    (tmp_path / "sitecustomize.py").write_text(SLOW_FIRST_IMPORT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    # SIGINT as a terminal leaves it: a pytest started in the background by a script has it ignored.
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        importing = proc.stdout.readline()
+        assert importing.startswith("importing "), importing + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (cli.INTERRUPTED, "", f"{script}: interrupted\n")
+
+
+def test_a_ctrl_c_ignored_from_the_start_stays_ignored():
+    """As Python leaves it: a job that a script started in the background (`python train_gpt2.py &`)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        cli.exit_on_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -78,3 +78,36 @@ def build_trainable(*args, **kwargs):
 train_gpt2.build_trainable = build_trainable
 train_gpt2.main()
 """
+
+
+def signal_in_evaluation(evaluation, step, patch=setattr):
+    """Makes the trainer's evaluation at step ("val loss", "hellaswag" or "samples") send this
+    process SIGTERM while its first batch runs, by patching (with patch: setattr, or pytest's
+    monkeypatch.setattr) the function that runs one of its batches, and the Checkpointer's due, which
+    the loop asks first at each step. Returns the list of that evaluation's batches run from the
+    signal on, filled as they run: a stop heard at once leaves one."""
+    import signal
+
+    import hellaswag
+    from gpt2repro.lm import generate
+    from gpt2repro.runs.checkpoint import Checkpointer
+    from model import GPT
+
+    owner, name = {"val loss": (GPT, "forward"), "hellaswag": (hellaswag, "ending_losses"),
+                   "samples": (generate, "next_logits")}[evaluation]
+    run_batch, due = getattr(owner, name), Checkpointer.due
+    at, batches = {}, []
+
+    def due_at(checkpointer, loop_step, *args):
+        at["step"] = loop_step
+        return due(checkpointer, loop_step, *args)
+
+    def batch(*args, **kwargs):
+        if at.get("step") == step:
+            if not batches:
+                os.kill(os.getpid(), signal.SIGTERM)
+            batches.append(evaluation)
+        return run_batch(*args, **kwargs)
+    patch(Checkpointer, "due", due_at)
+    patch(owner, name, batch)
+    return batches

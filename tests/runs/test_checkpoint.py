@@ -419,6 +419,25 @@ def test_the_hyperparameters_that_changed_since_the_checkpoint_are_named_old_to_
     assert checkpoint.changed_hyperparameters(None, run) == [] and checkpoint.changed_hyperparameters(record, record) == []
 
 
+def test_a_resume_under_another_seq_len_or_seed_says_what_that_changes():
+    record = {"seq_len": 1024, "seed": 1337, "shuffle": 1, "max_lr": 6e-4}
+    assert checkpoint.changed_inputs(record, record, epoch=3) == [] and checkpoint.changed_inputs(None, record, 0) == []
+    assert checkpoint.changed_inputs(record, {**record, "seq_len": 512}, epoch=0) == [
+        "this run's -T wins over the checkpoint's (1024 -> 512): the model trains on sequences of 512 tokens from "
+        "here, cut from the data at other places; its val loss, over such sequences too, is not comparable with the "
+        "one before"]
+    reseeded = {**record, "seed": 7}
+    said = [checkpoint.changed_inputs(record, run, epoch) for run, epoch in
+            [(reseeded, 0), (reseeded, 2), ({**reseeded, "shuffle": 0}, 2)]]
+    assert said == [[f"this run's --seed wins over the checkpoint's (1337 -> 7): {order}, and the samples differ"]
+                    for order in ["the epochs after the first, which it shuffles, are read in another order",
+                                  "this epoch and the later ones, which it shuffles, are read in another order: some "
+                                  "of this epoch's sequences are read twice, others not at all",
+                                  "the data is read in file order all the same (--shuffle 0)"]]
+    assert checkpoint.changed_inputs({**record, "seed": [[]] * 3}, record, epoch=0)[0].startswith(
+        "this run's --seed wins over the checkpoint's (a list -> 1337)")
+
+
 def cpu_state(data):
     """A CPU random state of these bytes (uint8)."""
     return {"cpu": torch.tensor(data, dtype=torch.uint8), "cuda": []}

@@ -4,6 +4,7 @@ import os
 import re
 import random
 import signal
+import socket
 import subprocess
 import sys
 
@@ -21,8 +22,8 @@ from helpers import REPO
 from helpers.files import EXAMPLES, WritesAFile, listdir, write_jsonl, write_token_shards
 from helpers.limits import disk_full, file_size_limit
 from helpers.processes import finish_torchrun, one_line_error, popen_torchrun, run_torchrun, said_errors
-from helpers.runs import (TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, run_cli, train,
-                          train_records)
+from helpers.runs import (TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, run_cli,
+                          signal_in_evaluation, train, train_records)
 from model import GPTConfig, n_params
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
@@ -149,6 +150,117 @@ def test_a_sigterm_resume_under_dropout_gives_the_uninterrupted_losses(shards, t
     assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000002.pt"]
     resumed = run_into(tmp_path / "stopped")  # --resume auto
     assert [r["train_loss"] for r in train_records(resumed)] == [r["train_loss"] for r in train_records(uninterrupted)]
+
+
+# A run that evaluates at steps 0, 2 and 4, each evaluation of several batches: the val loss (4),
+# HellaSwag (40 examples, 16 a batch) and samples (32 tokens, one a batch), of a model with GPT-2's
+# vocabulary, which the last two need. Its only checkpoint at an interval is the last step's.
+EVALUATED = [*RUN, "--max_steps", "4", "--vocab_size", "50304", "--eval_interval", "2", "--val_steps", "4",
+             "--hellaswag", "1", "--sample_interval", "2"]
+EVALUATIONS = ["val loss", "hellaswag", "samples"]
+LOGGED_BEFORE = {"val loss": [], "hellaswag": ["val_loss"], "samples": ["val_loss", "hellaswag_acc_norm"]}  # in order
+
+
+def evaluation_records(records):
+    """What the evaluations logged, as (step, key, value)."""
+    keys = ("val_loss", "hellaswag_acc_norm", "samples")
+    return [(r["step"], key, r[key]) for r in records for key in keys if key in r]
+
+
+@pytest.fixture(scope="module")
+def hellaswag_examples(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("hellaswag") / "hellaswag.jsonl", EXAMPLES * 8)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_evaluated(shards, hellaswag_examples, tmp_path_factory):
+    return train(shards, tmp_path_factory.mktemp("evaluated"), *EVALUATED, "--hellaswag_path", hellaswag_examples)
+
+
+@pytest.mark.parametrize("evaluation", EVALUATIONS)
+def test_a_stop_during_an_evaluation_is_heard_at_its_next_batch(shards, hellaswag_examples, uninterrupted_evaluated,
+                                                                 tmp_path, monkeypatch, capsys, evaluation):
+    """A SIGTERM as an evaluation's first batch runs (once, heard only when all of them had run):
+    no batch after it runs, the checkpoint of the last step trained is written, and the resumed
+    run evaluates that step again and ends as the uninterrupted run did."""
+    batches = signal_in_evaluation(evaluation, 2, monkeypatch.setattr)
+    records = train(shards, tmp_path, *EVALUATED, "--hellaswag_path", hellaswag_examples)
+    assert batches == [evaluation]
+    out = capsys.readouterr().out
+    assert "stopping on a signal at step 2, its evaluation cut short; `--resume auto` continues here" in out
+    assert re.match(r"stopped: step 2 of 4, .* val loss [0-9.]+ at step 0, last checkpoint .*ckpt_000002.pt$",
+                    out.strip().splitlines()[-1]), out.strip().splitlines()[-1]
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path))] == ["ckpt_000002.pt"]
+    assert [key for step, key, _ in evaluation_records(records) if step == 2] == LOGGED_BEFORE[evaluation]
+    monkeypatch.undo()
+    resumed = train(shards, tmp_path, *EVALUATED, "--hellaswag_path", hellaswag_examples)  # --resume auto
+    assert evaluation_records(resumed) == evaluation_records(uninterrupted_evaluated)
+    assert [r["train_loss"] for r in train_records(resumed)] == \
+        [r["train_loss"] for r in train_records(uninterrupted_evaluated)]
+
+
+def test_a_stop_during_the_first_evaluation_saves_nothing(shards, hellaswag_examples, tmp_path, monkeypatch, capsys):
+    batches = signal_in_evaluation("hellaswag", 0, monkeypatch.setattr)
+    records = train(shards, tmp_path, *EVALUATED, "--hellaswag_path", hellaswag_examples)
+    assert batches == ["hellaswag"]
+    assert ("stopping on a signal at step 0, before this run trained a step: nothing to save; the same command "
+            "starts here again") in capsys.readouterr().out
+    assert checkpoint_files.list_checkpoints(str(tmp_path)) == []
+    assert [key for _, key, _ in evaluation_records(records)] == ["val_loss"] and not train_records(records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evaluation", EVALUATIONS)
+def test_a_stop_that_one_rank_hears_during_an_evaluation_stops_both_at_its_next_batch(shards, hellaswag_examples,
+                                                                                     tmp_path, evaluation):
+    """SIGTERM on rank 1 alone, as its first batch of the evaluation at step 2 runs: both ranks ask
+    each other before every batch (samples too, which every rank draws), so both stop before the
+    next one, rank 0 writes the checkpoint of step 2, and both exit with code 0."""
+    script = tmp_path / "signalled_on_rank_1.py"
+    script.write_text(SIGNALLED_IN_EVALUATION_ON_RANK_1.format(repo=REPO, evaluation=evaluation))
+    ranks = run_ranks(script, *TINY, "--data_dir", shards, "--log_dir", tmp_path / "run", *EVALUATED, "-B", "4",
+                      "--hellaswag_path", hellaswag_examples)
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
+    assert "stopping on a signal at step 2, its evaluation cut short; `--resume auto` continues here" in ranks[0].stdout
+    assert ranks[1].stdout == f"batches of the {evaluation} after the signal: 1\n"
+    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path / "run"))] == ["ckpt_000002.pt"]
+    assert [key for step, key, _ in evaluation_records(read_log(tmp_path / "run")) if step == 2] == \
+        LOGGED_BEFORE[evaluation]
+
+
+SIGNALLED_IN_EVALUATION_ON_RANK_1 = """
+import atexit, os, sys
+sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
+import train_gpt2
+from helpers.runs import signal_in_evaluation
+if os.environ["RANK"] == "1":
+    batches = signal_in_evaluation({evaluation!r}, 2)
+    atexit.register(lambda: print("batches of the {evaluation} after the signal:", len(batches)))
+train_gpt2.main()
+"""
+
+
+def run_ranks(script, *args, world_size=2, timeout=300):
+    """script, which calls train_gpt2.main(), run with args as world_size ranks of one gloo group on
+    127.0.0.1, each started as torchrun starts one (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) but without it; each rank's CompletedProcess, its output as text."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, outputs = [], []
+    try:
+        for rank in range(world_size):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for proc in procs:  # little output: neither pipe fills while the other rank is read
+            outputs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
 
 
 @pytest.mark.slow
