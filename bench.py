@@ -19,6 +19,7 @@ import argparse
 import datetime
 import functools
 import gc
+import itertools
 import json
 import math
 import multiprocessing
@@ -297,39 +298,67 @@ def train_model_config(sizes, vocab_size):
 
 SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
 # The judge's bounds, wide enough for bf16's noise and a first step's spike, far too narrow for a run that diverges:
-LOSS_RISE = 0.1      # no loss above its first by more than this fraction of it
+FRESH_LOSS = math.log(N_VOCAB)  # a fresh GPT-2's first loss, every token about as likely: 10.82
+FRESH_SPREAD = 1.0   # its first loss within this of FRESH_LOSS: GPT-2's init spreads the logits (10.94 at 124M)
+LOSS_RISE = 0.1      # no loss above the lowest before it by more than this fraction of the first
 NORM_GROWTH = 100    # no gradient norm above this many times the first step's
-MIN_FALL = 0.002     # a run judged alone falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
+NORM_CEILING = 1e4   # nor above this: a fresh GPT-2's is tens (27 at 124M's first step, 2.5 at --quick's size)
+MIN_FALL = 0.002     # every run falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
 
 
 def training_problem(losses, grad_norms, reference=None, follow=False):
-    """Why a timed run did not train, or None, from every step's loss and gradient norm: a gradient
-    norm of 0, not finite, or more than NORM_GROWTH times the first step's; a loss not finite or, at
-    any step, more than LOSS_RISE above the first. The project's own run (no reference) must fall at
-    least MIN_FALL of its first loss; any other must fall at least half as far as reference's losses
-    do over the same steps, and, with follow (the train part's runs share the seed, the init and the
-    data), stay within a quarter of that fall of reference's loss at every step: bf16's noise passes
-    that, a run that trains nothing does not. A reference that did not fall is no reference: the run
-    is judged alone."""
-    for name, values in (("gradient norm", grad_norms), ("loss", losses)):
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v) or (name == "gradient norm" and v == 0)), None)
-        if bad is not None:
-            return f"its {name} at step {bad} is {values[bad]}"
-    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
-        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
-    if (i := next((i for i, v in enumerate(losses) if v > losses[0] * (1 + LOSS_RISE)), None)) is not None:
-        return f"its loss rose to {losses[i]:.4f} at step {i}, from {losses[0]:.4f}"
-    fall = losses[0] - losses[-1]
-    expected = reference[0] - reference[-1] if reference else 0
-    if expected <= 0:  # no reference, or one that did not train either: the run alone
-        least = MIN_FALL * losses[0]
-        return None if fall >= least else (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to "
-                                           f"{losses[-1]:.4f}), less than {least:.4f}")
+    """Why a timed run did not train, or None, from every step's loss and gradient norm: what any run
+    must show (norms_problem, losses_problem) and, where reference, the losses of the project's run in
+    the same invocation, show that it trained (losses_problem passes them), what it shows beside them:
+    a fall at least half as far over the same steps and, with follow (the train part's runs share the
+    seed, the init and the data), a loss within a quarter of that fall of reference's at every step:
+    bf16's noise passes that, a run that trains nothing does not. Against any other reference (NaN, or
+    one that fell too little itself) the run is judged alone."""
+    problem = norms_problem(grad_norms) or losses_problem(losses)
+    if problem or reference is None or losses_problem(reference):
+        return problem
+    fall, expected = losses[0] - losses[-1], reference[0] - reference[-1]
     if fall < expected / 2:
         return f"its loss fell {fall:.4f} over {len(losses)} steps, the project's {expected:.4f}"
     apart = max(abs(a - b) for a, b in zip(losses, reference))
     if follow and apart > expected / 4:
         return f"its losses strayed {apart:.4f} from the project's, more than a quarter of its fall ({expected:.4f})"
+    return None
+
+
+def norms_problem(grad_norms):
+    """Why gradient norms are not a run's that trains, or None: one not finite or not above 0, more
+    than NORM_GROWTH times the first step's, or above NORM_CEILING (grown from a first step's norm no
+    fresh GPT-2 has)."""
+    bad = next((i for i, v in enumerate(grad_norms) if not (math.isfinite(v) and v > 0)), None)
+    if bad is not None:
+        return f"its gradient norm at step {bad} is {grad_norms[bad]}"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_CEILING), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_CEILING:g}: a fresh GPT-2's is tens"
+    return None
+
+
+def losses_problem(losses):
+    """Why losses are not a fresh GPT-2's that trains, or None: a loss not finite or not above 0 (no
+    cross-entropy is); a first loss more than FRESH_SPREAD from FRESH_LOSS; a loss more than LOSS_RISE
+    of the first above the lowest before it (a run that diverged, or swings); a fall, first to last,
+    of less than MIN_FALL of the first."""
+    bad = next((i for i, v in enumerate(losses) if not (math.isfinite(v) and v > 0)), None)
+    if bad is not None:
+        return f"its loss at step {bad} is {losses[bad]}"
+    if abs(losses[0] - FRESH_LOSS) > FRESH_SPREAD:
+        return (f"its first loss is {losses[0]:.4g}, not a fresh model's: ln({N_VOCAB}) = {FRESH_LOSS:.2f}, "
+                f"give or take {FRESH_SPREAD:g}")
+    lowest = list(itertools.accumulate(losses, min))
+    rise = LOSS_RISE * losses[0]
+    if (i := next((i for i in range(1, len(losses)) if losses[i] > lowest[i - 1] + rise), None)) is not None:
+        return f"its loss rose to {losses[i]:.4f} at step {i}, from {lowest[i - 1]:.4f}"
+    fall, least = losses[0] - losses[-1], MIN_FALL * losses[0]
+    if fall < least:
+        return (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to {losses[-1]:.4f}), "
+                f"less than {least:.4f}")
     return None
 
 
