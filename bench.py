@@ -249,17 +249,34 @@ def ceiling_sizes(device, quick):
 def device_ceilings(device, dtype, quick):
     """{FLOPS: the device's dense matmul rate in dtype, BYTES: its copy bandwidth}, per second, measured
     once a run (on a CPU no datasheet gives either): a product of random n x n matrices, and a copy
-    within the device's memory, whose bytes read and written both count (ceiling_sizes)."""
+    within the device's memory, whose bytes read and written both count (ceiling_sizes), each timed by
+    its fastest call (fastest_call)."""
     n, copy_bytes = ceiling_sizes(device, quick)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    matmul = time_steps(lambda: a @ b, 3, 5 if quick else 20, device)
+    matmul = fastest_call(lambda: a @ b, 3, 20, device)
     source = torch.empty(copy_bytes // 4, device=device)
     target = torch.empty_like(source)
-    copy = time_steps(lambda: target.copy_(source), 2, 5 if quick else 20, device)
+    copy = fastest_call(lambda: target.copy_(source), 2, 5 if quick else 20, device)
     a = b = source = target = None
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the timed runs start with the device's memory free
     return {step_profile.FLOPS: 2 * n**3 / matmul, step_profile.BYTES: 2 * copy_bytes / copy}
+
+
+def fastest_call(step, n_warmup, n_steps, device):
+    """The seconds of step()'s fastest call of n_steps after n_warmup untimed ones: a ceiling is the
+    device's best, the call that other processes slowed least. On a CPU, also of as many on one thread:
+    where other processes keep the cores busy, a call on all of them waits for the busiest, at every
+    call (a busy 2-core CPU's median matmul read 0.001 TFLOP/s), while one thread's waits on no other."""
+    fastest = time_steps(step, n_warmup, n_steps, device, summary=min)
+    if device != "cpu":
+        return fastest
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(fastest, time_steps(step, n_warmup, n_steps, device, summary=min))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def bench_matmul(args, device, record):
@@ -373,8 +390,9 @@ def judged(result, reference=None, follow=False):
     return {**{k: v for k, v in result.items() if k not in SPEEDS}, "wrong": problem}
 
 
-def time_steps(step, n_warmup, n_steps, device):
-    """Median seconds per call of step() after n_warmup untimed calls."""
+def time_steps(step, n_warmup, n_steps, device, summary=statistics.median):
+    """The seconds per call of step() over n_steps calls after n_warmup untimed ones: their median, or
+    summary of them."""
     times = []
     for i in range(n_warmup + n_steps):
         t0 = time.perf_counter()
@@ -382,7 +400,7 @@ def time_steps(step, n_warmup, n_steps, device):
         synchronize(device)
         if i >= n_warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return summary(times)
 
 
 def train_runs(args, compile_model, device_type, with_levers=True):
@@ -865,6 +883,23 @@ def print_table(results):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
 
 
+def load_warning(load, cores):
+    """A warning where the load average (None where the system keeps none) is above the machine's
+    cores: other processes share them, and rates measured now read low. Else None."""
+    if load is None or load <= cores:
+        return None
+    return (f"warning: the load average ({load:.1f}) is above this machine's {cores} cores: other processes share "
+            f"them, and the rates measured now read low (the CPU's most: its matmul ceiling among them)")
+
+
+def load_average():
+    """The system's load average over the last minute (os.getloadavg: Unix), or None."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def device_name(device):
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
@@ -886,8 +921,11 @@ def main(argv=None):
     devices.allow_tf32()
     report = {"device": device_name(device), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable), "bench.py", *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "results": []}
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average": load_average(),
+              "results": []}
     print(f"{report['device']} | torch {report['torch']} | {report['date']} | {report['command']}")
+    if warning := load_warning(report["load_average"], os.cpu_count() or 1):
+        print(warning, file=sys.stderr)
 
     def record(result):  # the JSON is rewritten after each result: a run cut short keeps what it measured
         report["results"].append(result)

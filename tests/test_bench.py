@@ -323,6 +323,42 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
     assert waits == ["mps"] * 5
 
 
+@pytest.mark.parametrize("seconds_of_a_call", [
+    lambda threads, k: (1.0, 1.0, 1e-3)[k % 3],  # other processes slow two calls of three
+    lambda threads, k: 1.0 if threads > 1 else 1e-3,  # every call on two threads waits for a busy core; one thread's not
+])
+def test_a_ceiling_is_the_devices_best_call_however_busy_the_cpu(monkeypatch, seconds_of_a_call):
+    """The matmul ceiling and the copy's are each the fastest call, on all the threads or on one: not
+    the median, which a busy CPU's slowed calls make absurd (0.001 TFLOP/s)."""
+    clock, calls = [0.0], []
+
+    def call_ends(device):  # each timed call waits for the device: here, its clock moves on
+        clock[0] += seconds_of_a_call(torch.get_num_threads(), len(calls))
+        calls.append(device)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench, "synchronize", call_ends)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ceilings = bench.device_ceilings.__wrapped__("cpu", torch.float32, True)
+    finally:
+        torch.set_num_threads(threads)
+    n, copy_bytes = bench.ceiling_sizes("cpu", True)
+    assert ceilings == pytest.approx({step_profile.FLOPS: 2 * n**3 / 1e-3, step_profile.BYTES: 2 * copy_bytes / 1e-3})
+    assert torch.get_num_threads() == threads
+
+
+def test_a_load_above_the_cores_is_a_warning_and_in_the_json(tmp_path, monkeypatch, capsys):
+    for load, warned in ((13.5, True), (1.9, False), (None, False)):  # None: a system that keeps no load average
+        monkeypatch.setattr(bench, "load_average", lambda: load)
+        monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+        bench.main(["--quick", "--parts", "matmul", "--json", str(tmp_path / "bench.json")])
+        err = capsys.readouterr().err
+        assert ("warning: the load average (13.5) is above this machine's 2 cores: other processes share them, and "
+                "the rates measured now read low" in err) == warned, err
+        assert json.loads((tmp_path / "bench.json").read_text())["load_average"] == load
+
+
 @pytest.mark.slow
 def test_the_baseline_and_the_project_time_the_trainers_own_step(tmp_path, monkeypatch):
     """bench.py has no step of its own: each run is step.train_step on a Trainable that
