@@ -1,6 +1,6 @@
 """pytest's setup for the tests: offline, one thread a process, Triton's interpreter without a GPU, one
-temporary directory of their own, a test path that does not exist said so, cuda-marked tests skipped without CUDA, interpreted-marked ones where
-the interpreter cannot run the kernel, and the fixtures.
+temporary directory of their own, a test path that does not exist said so, cuda-marked tests skipped
+without CUDA, interpreted-marked ones where the interpreter cannot run the kernel, and the fixtures.
 The helpers are in helpers/, a module for each kind of help."""
 import multiprocessing.util
 import os
@@ -29,8 +29,8 @@ torch.set_num_threads(1)
 # The temporary directory of the tests, their subprocesses and the libraries they call (pytest's
 # tmp_path, torchrun's, tiktoken's and torch's caches): one, removed at exit, once multiprocessing has
 # removed its own directory in it (priority -100), unless a test failed, the run was cut short or
-# pytest itself failed (KEPT_BECAUSE): then it stays for a look, and pytest says where and why. A run
-# in which no test ran (a path that does not exist, a -k that picks none) leaves nothing and says nothing of it.
+# pytest itself failed (KEPT_BECAUSE): then it stays for a look, and pytest says where and why. A
+# run in which no test ran (a path that does not exist, a -k that picks none) leaves nothing.
 TEST_TMP = tempfile.mkdtemp(prefix="gpt2-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = TEST_TMP
 REMOVE_TEST_TMP = multiprocessing.util.Finalize(None, shutil.rmtree, args=(TEST_TMP,), kwargs={"ignore_errors": True},
