@@ -325,12 +325,12 @@ MIN_FALL = 0.002     # every run falls at least this fraction of its first loss 
 
 def training_problem(losses, grad_norms, reference=None, follow=False):
     """Why a timed run did not train, or None, from every step's loss and gradient norm: what any run
-    must show (norms_problem, losses_problem) and, where reference, the losses of the project's run in
-    the same invocation, show that it trained (losses_problem passes them), what it shows beside them:
-    a fall at least half as far over the same steps and, with follow (the train part's runs share the
-    seed, the init and the data), a loss within a quarter of that fall of reference's at every step:
-    bf16's noise passes that, a run that trains nothing does not. Against any other reference (NaN, or
-    one that fell too little itself) the run is judged alone."""
+    must show (norms_problem, losses_problem). reference, the losses of the project's run in the same
+    invocation, counts only where they show it themselves (losses_problem): then the run must also fall
+    at least half as far over the same steps and, with follow (the train part's runs share the seed,
+    the init and the data), stay within a quarter of that fall of reference's loss at every step:
+    bf16's noise passes that, a run that trains nothing does not. Against any other reference (a NaN
+    in it, a fall of 1e-6) the run is judged alone."""
     problem = norms_problem(grad_norms) or losses_problem(losses)
     if problem or reference is None or losses_problem(reference):
         return problem
