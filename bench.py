@@ -23,6 +23,7 @@ import argparse
 import datetime
 import functools
 import gc
+import itertools
 import json
 import math
 import multiprocessing
@@ -252,17 +253,34 @@ def ceiling_sizes(device, quick):
 def device_ceilings(device, dtype, quick):
     """{FLOPS: the device's dense matmul rate in dtype, BYTES: its copy bandwidth}, per second, measured
     once a run (on a CPU no datasheet gives either): a product of random n x n matrices, and a copy
-    within the device's memory, whose bytes read and written both count (ceiling_sizes)."""
+    within the device's memory, whose bytes read and written both count (ceiling_sizes), each timed by
+    its fastest call (fastest_call)."""
     n, copy_bytes = ceiling_sizes(device, quick)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    matmul = time_steps(lambda: a @ b, 3, 5 if quick else 20, device)
+    matmul = fastest_call(lambda: a @ b, 3, 20, device)
     source = torch.empty(copy_bytes // 4, device=device)
     target = torch.empty_like(source)
-    copy = time_steps(lambda: target.copy_(source), 2, 5 if quick else 20, device)
+    copy = fastest_call(lambda: target.copy_(source), 2, 5 if quick else 20, device)
     a = b = source = target = None
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the timed runs start with the device's memory free
     return {step_profile.FLOPS: 2 * n**3 / matmul, step_profile.BYTES: 2 * copy_bytes / copy}
+
+
+def fastest_call(step, n_warmup, n_steps, device):
+    """The seconds of step()'s fastest call of n_steps after n_warmup untimed ones: a ceiling is the
+    device's best, the call that other processes slowed least. On a CPU, also of as many on one thread:
+    where other processes keep the cores busy, a call on all of them waits for the busiest, at every
+    call (a busy 2-core CPU's median matmul read 0.001 TFLOP/s), while one thread's waits on no other."""
+    fastest = time_steps(step, n_warmup, n_steps, device, summary=min)
+    if device != "cpu":
+        return fastest
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(fastest, time_steps(step, n_warmup, n_steps, device, summary=min))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def bench_matmul(args, device, record):
@@ -301,39 +319,67 @@ def train_model_config(sizes, vocab_size):
 
 SPEEDS = ("tokens_per_sec", "ms_per_step", "mfu")  # a timed run's figures that only a run that trains may report
 # The judge's bounds, wide enough for bf16's noise and a first step's spike, far too narrow for a run that diverges:
-LOSS_RISE = 0.1      # no loss above its first by more than this fraction of it
+FRESH_LOSS = math.log(N_VOCAB)  # a fresh GPT-2's first loss, every token about as likely: 10.82
+FRESH_SPREAD = 1.0   # its first loss within this of FRESH_LOSS: GPT-2's init spreads the logits (10.94 at 124M)
+LOSS_RISE = 0.1      # no loss above the lowest before it by more than this fraction of the first
 NORM_GROWTH = 100    # no gradient norm above this many times the first step's
-MIN_FALL = 0.002     # a run judged alone falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
+NORM_CEILING = 1e4   # nor above this: a fresh GPT-2's is tens (27 at 124M's first step, 2.5 at --quick's size)
+MIN_FALL = 0.002     # every run falls at least this fraction of its first loss (--quick's 2 steps: 0.005)
 
 
 def training_problem(losses, grad_norms, reference=None, follow=False):
-    """Why a timed run did not train, or None, from every step's loss and gradient norm: a gradient
-    norm of 0, not finite, or more than NORM_GROWTH times the first step's; a loss not finite or, at
-    any step, more than LOSS_RISE above the first. The project's own run (no reference) must fall at
-    least MIN_FALL of its first loss; any other must fall at least half as far as reference's losses
-    do over the same steps, and, with follow (the train part's runs share the seed, the init and the
-    data), stay within a quarter of that fall of reference's loss at every step: bf16's noise passes
-    that, a run that trains nothing does not. A reference that did not fall is no reference: the run
-    is judged alone."""
-    for name, values in (("gradient norm", grad_norms), ("loss", losses)):
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v) or (name == "gradient norm" and v == 0)), None)
-        if bad is not None:
-            return f"its {name} at step {bad} is {values[bad]}"
-    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
-        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
-    if (i := next((i for i, v in enumerate(losses) if v > losses[0] * (1 + LOSS_RISE)), None)) is not None:
-        return f"its loss rose to {losses[i]:.4f} at step {i}, from {losses[0]:.4f}"
-    fall = losses[0] - losses[-1]
-    expected = reference[0] - reference[-1] if reference else 0
-    if expected <= 0:  # no reference, or one that did not train either: the run alone
-        least = MIN_FALL * losses[0]
-        return None if fall >= least else (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to "
-                                           f"{losses[-1]:.4f}), less than {least:.4f}")
+    """Why a timed run did not train, or None, from every step's loss and gradient norm: what any run
+    must show (norms_problem, losses_problem). reference, the losses of the project's run in the same
+    invocation, counts only where they show it themselves (losses_problem): then the run must also fall
+    at least half as far over the same steps and, with follow (the train part's runs share the seed,
+    the init and the data), stay within a quarter of that fall of reference's loss at every step:
+    bf16's noise passes that, a run that trains nothing does not. Against any other reference (a NaN
+    in it, a fall of 1e-6) the run is judged alone."""
+    problem = norms_problem(grad_norms) or losses_problem(losses)
+    if problem or reference is None or losses_problem(reference):
+        return problem
+    fall, expected = losses[0] - losses[-1], reference[0] - reference[-1]
     if fall < expected / 2:
         return f"its loss fell {fall:.4f} over {len(losses)} steps, the project's {expected:.4f}"
     apart = max(abs(a - b) for a, b in zip(losses, reference))
     if follow and apart > expected / 4:
         return f"its losses strayed {apart:.4f} from the project's, more than a quarter of its fall ({expected:.4f})"
+    return None
+
+
+def norms_problem(grad_norms):
+    """Why gradient norms are not a run's that trains, or None: one not finite or not above 0, more
+    than NORM_GROWTH times the first step's, or above NORM_CEILING (grown from a first step's norm no
+    fresh GPT-2 has)."""
+    bad = next((i for i, v in enumerate(grad_norms) if not (math.isfinite(v) and v > 0)), None)
+    if bad is not None:
+        return f"its gradient norm at step {bad} is {grad_norms[bad]}"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_GROWTH * grad_norms[0]), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_GROWTH}x the first step's"
+    if (i := next((i for i, v in enumerate(grad_norms) if v > NORM_CEILING), None)) is not None:
+        return f"its gradient norm at step {i} is {grad_norms[i]:.4g}, over {NORM_CEILING:g}: a fresh GPT-2's is tens"
+    return None
+
+
+def losses_problem(losses):
+    """Why losses are not a fresh GPT-2's that trains, or None: a loss not finite or not above 0 (no
+    cross-entropy is); a first loss more than FRESH_SPREAD from FRESH_LOSS; a loss more than LOSS_RISE
+    of the first above the lowest before it (a run that diverged, or swings); a fall, first to last,
+    of less than MIN_FALL of the first."""
+    bad = next((i for i, v in enumerate(losses) if not (math.isfinite(v) and v > 0)), None)
+    if bad is not None:
+        return f"its loss at step {bad} is {losses[bad]}"
+    if abs(losses[0] - FRESH_LOSS) > FRESH_SPREAD:
+        return (f"its first loss is {losses[0]:.4g}, not a fresh model's: ln({N_VOCAB}) = {FRESH_LOSS:.2f}, "
+                f"give or take {FRESH_SPREAD:g}")
+    lowest = list(itertools.accumulate(losses, min))
+    rise = LOSS_RISE * losses[0]
+    if (i := next((i for i in range(1, len(losses)) if losses[i] > lowest[i - 1] + rise), None)) is not None:
+        return f"its loss rose to {losses[i]:.4f} at step {i}, from {lowest[i - 1]:.4f}"
+    fall, least = losses[0] - losses[-1], MIN_FALL * losses[0]
+    if fall < least:
+        return (f"its loss fell {fall:.4g} over {len(losses)} steps ({losses[0]:.4f} to {losses[-1]:.4f}), "
+                f"less than {least:.4f}")
     return None
 
 
@@ -348,8 +394,9 @@ def judged(result, reference=None, follow=False):
     return {**{k: v for k, v in result.items() if k not in SPEEDS}, "wrong": problem}
 
 
-def time_steps(step, n_warmup, n_steps, device):
-    """Median seconds per call of step() after n_warmup untimed calls."""
+def time_steps(step, n_warmup, n_steps, device, summary=statistics.median):
+    """The seconds per call of step() over n_steps calls after n_warmup untimed ones: their median, or
+    summary of them."""
     times = []
     for i in range(n_warmup + n_steps):
         t0 = time.perf_counter()
@@ -357,7 +404,7 @@ def time_steps(step, n_warmup, n_steps, device):
         synchronize(device)
         if i >= n_warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return summary(times)
 
 
 def train_runs(args, compile_model, device_type, with_levers=True):
@@ -840,6 +887,23 @@ def print_table(results):
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
 
 
+def load_warning(load, cores):
+    """A warning where the load average (None where the system keeps none) is above the machine's
+    cores: other processes share them, and rates measured now read low. Else None."""
+    if load is None or load <= cores:
+        return None
+    return (f"warning: the load average ({load:.1f}) is above this machine's {cores} cores: other processes share "
+            f"them, and the rates measured now read low (the CPU's most: its matmul ceiling among them)")
+
+
+def load_average():
+    """The system's load average over the last minute (os.getloadavg: Unix), or None."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def device_name(device):
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
@@ -861,8 +925,11 @@ def main(argv=None):
     devices.allow_tf32()
     report = {"device": device_name(device), "torch": torch.__version__,
               "command": " ".join([os.path.basename(sys.executable), "bench.py", *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "results": []}
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_average": load_average(),
+              "results": []}
     print(f"{report['device']} | torch {report['torch']} | {report['date']} | {report['command']}")
+    if warning := load_warning(report["load_average"], os.cpu_count() or 1):
+        print(warning, file=sys.stderr)
 
     def record(result):  # the JSON is rewritten after each result: a run cut short keeps what it measured
         report["results"].append(result)

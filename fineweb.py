@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -622,7 +623,9 @@ def write_shards(manifest, corpus, job):
     total = shard * shard_size + filled
     if total == document:  # each document is its <|endoftext|> alone
         raise InputError(f"{corpus.name}: no text ({document:,} empty document{'s' * (document > 1)})")
-    if total <= shard_size:
+    if total <= shard_size:  # refused: read again, from the start, only to say why
+        if not any(text.strip() for text, _ in corpus.documents(0)):  # no shard size would give it text
+            raise InputError(f"{corpus.name}: no text, whitespace alone")
         raise InputError(too_small(corpus.name, total, shard_size))
     if filled:
         write_shard(job.shard_path(shard), buffer[:filled])
@@ -645,13 +648,34 @@ def too_small(name, tokens, shard_size):
 
 
 def no_train_shards(data_dir, val_paths):
-    """The trainer's error for a data_dir without train shards: how to make them, and where val
-    shards are all it holds, why (a corpus that fit in one shard, from before fineweb.py refused it)."""
+    """The trainer's error for a data_dir without train shards: how to make them; where data_dir is a
+    file, what to train on instead; and where val shards are all it holds, why (a corpus that fit in
+    one shard, from before fineweb.py refused it)."""
+    if os.path.isfile(data_dir):
+        return file_as_data_dir(data_dir)
     if val_paths:
         return (f"{data_dir!r} holds val shards ({', '.join(map(os.path.basename, val_paths))}) and no *_train_*.npy: "
                 f"its corpus fit in one shard, the val split; shard it again with a smaller --shard_size")
     return (f"no *_train_*.npy shards in {data_dir!r}: make them with `python fineweb.py --output_dir {data_dir}` "
             f"(or --input your files)")
+
+
+def file_as_data_dir(path):
+    """The trainer's error for a --data_dir that names a file: the demo's Tiny Shakespeare has a preset
+    that shards it; another corpus, the command that shards it, and the --data_dir that then holds it."""
+    where = f"--data_dir {path} is a file, not a directory of *_train_*.npy shards"
+    if os.path.samefile(path, TINY_SHAKESPEARE):
+        return f"{where}: `python train_gpt2.py --preset demo` trains on it, sharded into {demo_data_dir()} on first use"
+    if not path.lower().endswith(EXTENSIONS):
+        return where
+    shards = os.path.splitext(path)[0]
+    return (f"{where}: shard it with `python fineweb.py --input {shlex.quote(path)} --output_dir {shlex.quote(shards)}`, "
+            f"then train with --data_dir {shlex.quote(shards)}")
+
+
+def demo_data_dir():
+    """The demo preset's data_dir: Tiny Shakespeare's shards, in the repository."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), read_config(preset_path("demo"))["data_dir"])
 
 
 def shard_local_files(paths, job, text_field="text"):
@@ -676,8 +700,7 @@ def shard_demo_corpus(data_dir, enabled=True):
     OSError for a shard that cannot be written."""
     if not enabled:
         return None
-    own = os.path.join(os.path.dirname(os.path.abspath(__file__)), read_config(preset_path("demo"))["data_dir"])
-    if os.path.realpath(data_dir) != os.path.realpath(own):
+    if os.path.realpath(data_dir) != os.path.realpath(demo_data_dir()):
         return None
     demo = ShardingJob(data_dir, prefix="shakespeare", shard_size=32768, num_proc=1)
     summary = shard_local_files([TINY_SHAKESPEARE], demo)
@@ -708,9 +731,10 @@ def positive_int(text):
 
 def parse_args(argv):
     parser = Parser(prog="fineweb.py", description="Tokenize a corpus into GPT-2 token shards (build-nanogpt's format).")
-    parser.add_argument("--input", nargs="+", metavar="PATH",
+    parser.add_argument("--input", nargs="+", action="extend", metavar="PATH",
                         help="local .txt (a document a file), .jsonl/.json (a document a line) or .parquet "
-                             "(a document a row) files, or directories of them, instead of the hub")
+                             "(a document a row) files, or directories of them, instead of the hub, in the order "
+                             "given (--input a --input b is --input a b)")
     parser.add_argument("--dataset", help=f"Hugging Face dataset (default {FINEWEB_EDU})")
     parser.add_argument("--name", help="dataset config (default for FineWeb-Edu: from --version)")
     parser.add_argument("--version", choices=sorted(VERSIONS), help="FineWeb-Edu sample-10BT (default) or sample-100BT")

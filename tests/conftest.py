@@ -1,6 +1,6 @@
 """pytest's setup for the tests: offline, one thread a process, Triton's interpreter without a GPU, one
-temporary directory of their own, cuda-marked tests skipped without CUDA, interpreted-marked ones where
-the interpreter cannot run the kernel, and the fixtures.
+temporary directory of their own, a test path that does not exist said so, cuda-marked tests skipped
+without CUDA, interpreted-marked ones where the interpreter cannot run the kernel, and the fixtures.
 The helpers are in helpers/, a module for each kind of help."""
 import multiprocessing.util
 import os
@@ -27,21 +27,35 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 # The temporary directory of the tests, their subprocesses and the libraries they call (pytest's
-# tmp_path, torchrun's, tiktoken's and torch's caches): one, removed once every test has passed.
-# After a failure it stays for a look; pytest prints where.
+# tmp_path, torchrun's, tiktoken's and torch's caches): one, removed at exit, once multiprocessing has
+# removed its own directory in it (priority -100), unless a test failed, the run was cut short or
+# pytest itself failed (KEPT_BECAUSE): then it stays for a look, and pytest says where and why. A
+# run in which no test ran (a path that does not exist, a -k that picks none) leaves nothing.
 TEST_TMP = tempfile.mkdtemp(prefix="gpt2-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = TEST_TMP
+REMOVE_TEST_TMP = multiprocessing.util.Finalize(None, shutil.rmtree, args=(TEST_TMP,), kwargs={"ignore_errors": True},
+                                                exitpriority=-101)
+KEPT_BECAUSE = {pytest.ExitCode.TESTS_FAILED: "a test failed", pytest.ExitCode.INTERRUPTED: "the run was interrupted",
+                pytest.ExitCode.INTERNAL_ERROR: "pytest failed"}
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == 0:  # at exit, once multiprocessing has removed its own directory in it (priority -100)
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(TEST_TMP,), kwargs={"ignore_errors": True},
-                                      exitpriority=-101)
+    if exitstatus in KEPT_BECAUSE:
+        REMOVE_TEST_TMP.cancel()
+
+
+def pytest_configure(config):
+    """A test path that does not exist is a usage error, said before the workers start: xdist's
+    workers, which collect, would end the run with nothing said (exit code 5, no tests)."""
+    for arg in config.args:
+        path = os.path.join(config.invocation_params.dir, arg.split("::")[0])
+        if not os.path.exists(path):
+            raise pytest.UsageError(f"file or directory not found: {arg}")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus):
-    if exitstatus != 0:
-        terminalreporter.write_line(f"the tests' temporary files are kept in {TEST_TMP}")
+    if exitstatus in KEPT_BECAUSE:
+        terminalreporter.write_line(f"{KEPT_BECAUSE[exitstatus]}: the tests' temporary files are kept in {TEST_TMP}")
 
 
 def pytest_runtest_setup(item):

@@ -175,6 +175,30 @@ def test_a_lever_that_breaks_its_process_is_a_failed_row_and_the_next_lever_runs
      "its losses strayed 1.0000 from the project's, more than a quarter of its fall (2.0000)"),
     ([11.0, 9.0, 8.0], [1.0, 1.0, 1.0], [11.0, 10.0, 9.0], False, None),  # a peer: another init, the fall alone
     ([11.0, 10.0, 9.0], [1.0, 1.0, 1.0], [11.0, 11.0, 11.0], True, None),  # a reference that did not train: alone
+    # The crafted runs of #65 that the judge of #58 passed: a gradient norm that grew 1e6 -> 1e8 (100x, at the bound),
+    # a first loss of 1e30 that fell 0.2%, a loss flat at 0, a flat run against a NaN reference (alone, as
+    # against any reference that did not train), swings between 10.9 and 1, and a tiny fall against a tiny fall.
+    ([11.0, 10.0, 9.0], [1e6, 1e7, 1e8], None, False, "its gradient norm at step 0 is 1e+06, over 10000: a fresh GPT-2's is tens"),
+    ([1e30, 9.99e29, 9.98e29], [1.0, 1.0, 1.0], None, False,
+     "its first loss is 1e+30, not a fresh model's: ln(50257) = 10.82, give or take 1"),
+    ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], None, False, "its loss at step 0 is 0.0"),
+    ([10.9, 0.0, 0.0], [1.0, 1.0, 1.0], [10.9, 10.0, 9.0], False, "its loss at step 1 is 0.0"),
+    ([11.0, 11.0, 11.0], [1.0, 1.0, 1.0], [11.0, float("nan"), 9.0], False,
+     "its loss fell 0 over 3 steps (11.0000 to 11.0000), less than 0.0220"),
+    ([11.0, 10.9, 10.8], [1.0, 1.0, 1.0], [float("nan")] * 3, True, None),  # alone, it fell far enough
+    ([10.9, 1.0, 10.8, 1.0, 10.0], [1.0, 1.0, 1.0, 1.0, 1.0], None, False, "its loss rose to 10.8000 at step 2, from 1.0000"),
+    ([10.9, 1.0, 10.8, 1.0, 10.0], [1.0, 1.0, 1.0, 1.0, 1.0], [10.9, 9.5, 8.9, 8.5, 8.0], False,
+     "its loss rose to 10.8000 at step 2, from 1.0000"),
+    ([11.0, 10.9999995, 10.999999], [1.0, 1.0, 1.0], [11.0, 10.999999, 10.999998], False,
+     "its loss fell 1e-06 over 3 steps (11.0000 to 11.0000), less than 0.0220"),
+    # Real runs pass: GPT-2 (124M)'s first steps on an H100 (bench/results/h100-2026-11-25/trainer-124m-final.log),
+    # up 0.34 at its fourth; --quick's tiny model's first eleven on a CPU, falling 0.07 a step at most, with noise.
+    ([10.939285, 9.544287, 8.887721, 9.230620], [27.0243, 5.6131, 3.3559, 16.0839], None, False, None),
+    ([10.8207, 10.7614, 10.6932, 10.726, 10.6206, 10.5643, 10.5307, 10.4989, 10.5054, 10.4344, 10.4352],
+     [2.452, 2.08, 2.104, 1.801, 1.634, 1.443, 1.367, 1.269, 1.258, 1.251, 1.189], None, False, None),
+    ([10.8331, 10.7644, 10.6732, 10.6819, 10.5909, 10.5326, 10.4913, 10.4499, 10.457, 10.3865, 10.3956],
+     [2.176, 2.102, 2.082, 1.893, 1.581, 1.454, 1.377, 1.264, 1.258, 1.248, 1.182],
+     [10.8207, 10.7614, 10.6932, 10.726, 10.6206, 10.5643, 10.5307, 10.4989, 10.5054, 10.4344, 10.4352], True, None),
 ])
 def test_whether_a_timed_run_trained(losses, grad_norms, reference, follow, problem):
     assert bench.training_problem(losses, grad_norms, reference, follow) == problem
@@ -297,6 +321,42 @@ def test_each_timed_step_waits_for_an_asynchronous_device(monkeypatch):
     monkeypatch.setattr(torch.mps, "synchronize", lambda: waits.append("mps"))
     bench.time_steps(lambda: None, n_warmup=2, n_steps=3, device="mps")
     assert waits == ["mps"] * 5
+
+
+@pytest.mark.parametrize("seconds_of_a_call", [
+    lambda threads, k: (1.0, 1.0, 1e-3)[k % 3],  # other processes slow two calls of three
+    lambda threads, k: 1.0 if threads > 1 else 1e-3,  # every call on two threads waits for a busy core; one thread's not
+])
+def test_a_ceiling_is_the_devices_best_call_however_busy_the_cpu(monkeypatch, seconds_of_a_call):
+    """The matmul ceiling and the copy's are each the fastest call, on all the threads or on one: not
+    the median, which a busy CPU's slowed calls make absurd (0.001 TFLOP/s)."""
+    clock, calls = [0.0], []
+
+    def call_ends(device):  # each timed call waits for the device: here, its clock moves on
+        clock[0] += seconds_of_a_call(torch.get_num_threads(), len(calls))
+        calls.append(device)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench, "synchronize", call_ends)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ceilings = bench.device_ceilings.__wrapped__("cpu", torch.float32, True)
+    finally:
+        torch.set_num_threads(threads)
+    n, copy_bytes = bench.ceiling_sizes("cpu", True)
+    assert ceilings == pytest.approx({step_profile.FLOPS: 2 * n**3 / 1e-3, step_profile.BYTES: 2 * copy_bytes / 1e-3})
+    assert torch.get_num_threads() == threads
+
+
+def test_a_load_above_the_cores_is_a_warning_and_in_the_json(tmp_path, monkeypatch, capsys):
+    for load, warned in ((13.5, True), (1.9, False), (None, False)):  # None: a system that keeps no load average
+        monkeypatch.setattr(bench, "load_average", lambda: load)
+        monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+        bench.main(["--quick", "--parts", "matmul", "--json", str(tmp_path / "bench.json")])
+        err = capsys.readouterr().err
+        assert ("warning: the load average (13.5) is above this machine's 2 cores: other processes share them, and "
+                "the rates measured now read low" in err) == warned, err
+        assert json.loads((tmp_path / "bench.json").read_text())["load_average"] == load
 
 
 @pytest.mark.slow

@@ -113,6 +113,17 @@ def test_directory_is_sorted_by_name_and_files_keep_their_order(tmp_path):
     check_shards(tmp_path / "files", "t", 3, ["c1", "a"])
 
 
+def test_input_given_twice_shards_both_in_the_order_given(tmp_path, capsys):
+    """--input a --input b is --input a b: b alone would drop a's documents without a word."""
+    (tmp_path / "a.txt").write_text("first file", encoding="utf-8")
+    write_docs_jsonl(tmp_path / "b.jsonl", ["b1", "b2"])
+    (tmp_path / "c.txt").write_text("third", encoding="utf-8")
+    assert fineweb.main(["--input", str(tmp_path / "a.txt"), "--input", str(tmp_path / "b.jsonl"), str(tmp_path / "c.txt"),
+                         "--output_dir", str(tmp_path / "out"), "--prefix", "t", "--shard_size", "3", "--num_proc", "1"]) == 0
+    assert "documents 4," in capsys.readouterr().out
+    check_shards(tmp_path / "out", "t", 3, ["first file", "b1", "b2", "third"])
+
+
 def test_a_txt_file_is_its_text_as_is(tmp_path):
     (tmp_path / "crlf.txt").write_bytes(b"a\r\nb\rc")
     fineweb.shard_local_files(str(tmp_path / "crlf.txt"), ShardingJob(str(tmp_path / "out"), "t", 4))
@@ -229,6 +240,7 @@ def bad_inputs(tmp):
     (tmp / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     (tmp / "empty.jsonl").write_text("\n\n")
     (tmp / "empty.txt").write_text("")
+    (tmp / "blank.txt").write_text(" \n\n\t \r\n  ")  # tokens, but no shard size would give them text
     (tmp / "nofield.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     (tmp / "notjson.jsonl").write_text('{"text": "a"}\n{text: b}\n')
     (tmp / "deep.jsonl").write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")  # past Python's recursion
@@ -248,6 +260,7 @@ def bad_inputs(tmp):
         "no text column": (write_parquet(tmp / "body.parquet", ["a"], field="body"), "body.parquet", []),
         "empty corpus": (tmp / "empty.jsonl", "empty.jsonl", []),
         "empty text file": (tmp / "empty.txt", "empty.txt: no text (1 empty document)", []),
+        "whitespace alone": (tmp / "blank.txt", "blank.txt: no text, whitespace alone", []),
         "empty directory": (tmp / "emptydir", "emptydir", []),
         "missing text field": (tmp / "nofield.jsonl", "nofield.jsonl line 3", []),
         "not json": (tmp / "notjson.jsonl", "notjson.jsonl line 2", []),
@@ -260,7 +273,7 @@ def bad_inputs(tmp):
 
 @pytest.mark.parametrize("case", [
     "missing path", "unknown extension", "not utf-8", "not parquet", "parquet not utf-8", "no text column",
-    "empty corpus", "empty text file", "empty directory", "missing text field", "not json", "json nested too deep",
+    "empty corpus", "empty text file", "whitespace alone", "empty directory", "missing text field", "not json", "json nested too deep",
     "missing field after shards",
     "shard_size 0", "num_proc 0"])
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):

@@ -98,6 +98,23 @@ def test_demo_shards_only_its_own_data_dir(tmp_path, demo_dir, capsys):
     assert not mistyped.exists() and not demo_dir.exists()
 
 
+def test_a_data_dir_that_is_a_text_file_says_how_to_train_on_it(tmp_path, capsys):
+    """The bundled Tiny Shakespeare has the demo preset; another corpus, fineweb.py's command for it.
+    Neither gets `fineweb.py --output_dir` a file, which fineweb.py refuses, and nothing is written."""
+    demo_text = os.path.join(REPO, "data", "tinyshakespeare.txt")
+    message = error_of(capsys, "--preset", "demo", "--data_dir", demo_text, "--log_dir", tmp_path / "log")
+    assert message == (f"error: --data_dir {demo_text} is a file, not a directory of *_train_*.npy shards: "
+                       f"`python train_gpt2.py --preset demo` trains on it, sharded into "
+                       f"{os.path.join(REPO, 'data', 'shakespeare')} on first use")
+    corpus = tmp_path / "my notes.txt"
+    corpus.write_text("some text")
+    message = error_of(capsys, "--preset", "demo", "--data_dir", corpus, "--log_dir", tmp_path / "log")
+    shards = f"'{tmp_path / 'my notes'}'"
+    assert message == (f"error: --data_dir {corpus} is a file, not a directory of *_train_*.npy shards: shard it with "
+                       f"`python fineweb.py --input '{corpus}' --output_dir {shards}`, then train with --data_dir {shards}")
+    assert sorted(os.listdir(tmp_path)) == ["my notes.txt"]
+
+
 def test_a_data_dir_of_val_shards_alone_says_its_corpus_fit_in_one_shard(tmp_path, capsys):
     """What fineweb.py made of a small corpus before it refused one: the trainer names the cause."""
     val = write_token_shards(tmp_path / "data", n_train=0)[0]

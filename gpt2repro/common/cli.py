@@ -1,5 +1,6 @@
 """What the scripts' command lines share: errors in one line, config files of flag values
-(configs/NAME.toml, the trainer's presets), retired flags, and the torch version check."""
+(configs/NAME.toml, the trainer's presets), retired flags and other projects' names for flags, and
+the torch version check."""
 import argparse
 import json
 import os
@@ -39,6 +40,18 @@ class Retired(argparse.Action):
 
     def message(self):
         return f"{self.option_strings[0]} is gone: {self.instead}"
+
+
+class Renamed(Retired):
+    """Another project's flag that this one names otherwise (add_argument(..., action=Renamed, whose="nanoGPT's",
+    instead=TEXT)): refused as a Retired one is, the line naming this project's flag."""
+
+    def __init__(self, option_strings, dest, whose, instead, **kwargs):
+        super().__init__(option_strings, dest, instead, **kwargs)
+        self.whose = whose
+
+    def message(self):
+        return f"{self.option_strings[0]} is {self.whose} name; here it is {self.instead}"
 
 
 class ConfigError(Exception):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 
 from gpt2repro import REPO
-from gpt2repro.common.cli import Parser, Retired, preset_names, preset_path
+from gpt2repro.common.cli import Parser, Renamed, Retired, preset_names, preset_path
 from gpt2repro.common.inputs import brief
 from gpt2repro.common.settings import check_not_negative, check_positive, setting
 from gpt2repro.lm.loss import LOSSES
@@ -162,6 +162,30 @@ class ScaleConfig:
 # line or in a config file (cli.Retired). A checkpoint's record of them is its run's history, as every
 # flag of its record but the hyperparameters: a resumed run computes the loss as its own --loss says.
 RETIRED_FLAGS = {"chunked_loss": "--loss chunked", "fused_loss": "--loss fused"}
+# The flags of nanoGPT's train.py, and the settings of build-nanogpt's train_gpt2.py (it takes no flags,
+# but its names are the ones its readers know), that this trainer names otherwise: (whose, what is here),
+# each refused in one line naming this trainer's flag (cli.Renamed), as --name, --name=value or a config key.
+NANOGPT, BUILD_NANOGPT = "nanoGPT's", "build-nanogpt's"
+ACCUMULATION = "--total_batch_size, tokens per step (-B x -T x ranks x the micro-steps it takes)"
+OTHER_PROJECTS_FLAGS = {
+    "batch_size": (NANOGPT, "-B/--micro_batch_size (sequences per forward pass per rank)"),
+    "gradient_accumulation_steps": (NANOGPT, ACCUMULATION),
+    "grad_accum_steps": (BUILD_NANOGPT, ACCUMULATION),
+    "learning_rate": (NANOGPT, "--max_lr"),
+    "min_lr": (f"{NANOGPT} and {BUILD_NANOGPT}", "--min_lr_ratio, a fraction of --max_lr (6e-5 of 6e-4: 0.1)"),
+    "decay_lr": (NANOGPT, "--min_lr_ratio (1: no decay)"),
+    "max_iters": (NANOGPT, "--max_steps"),
+    "warmup_iters": (NANOGPT, "--warmup_steps"),
+    "lr_decay_iters": (NANOGPT, "--decay_steps"),
+    "eval_iters": (NANOGPT, "--val_steps"),
+    "val_loss_steps": (BUILD_NANOGPT, "--val_steps"),
+    "eval_only": (NANOGPT, "--max_steps 0 (evaluate the starting point, then exit)"),
+    "out_dir": (NANOGPT, "--log_dir"),
+    "dataset": (NANOGPT, "--data_dir (a directory of token shards, from fineweb.py)"),
+    "always_save_checkpoint": (NANOGPT, "--checkpoint_interval (every N steps and at the end)"),
+    "wandb_log": (NANOGPT, "--wandb"),
+    "use_compile": (BUILD_NANOGPT, "--compile"),
+}
 
 
 @dataclass(frozen=True)
@@ -334,11 +358,14 @@ def build(kind, values):
 
 def add_flags(parser, config=None):
     """The flags of a TrainConfig's fields, config's values (default: TrainConfig()) their defaults,
-    in one argument group per section; and the retired flags, each refused in one line."""
+    in one argument group per section; and the retired flags and other projects' names, each refused
+    in one line."""
     config = TrainConfig() if config is None else config
     for name, meant in RETIRED_FLAGS.items():
         parser.add_argument(f"--{name}", action=Retired, instead=f"the loss is one setting, --loss "
                                                                  f"{'|'.join(('auto',) + LOSSES)}; --{name} 1 was {meant}")
+    for name, (whose, instead) in OTHER_PROJECTS_FLAGS.items():
+        parser.add_argument(f"--{name}", action=Renamed, whose=whose, instead=instead)
     for f, section in sections(type(config)):
         if section is not None:
             group = parser.add_argument_group(f.name, " ".join(section.__doc__.split()).split(". ")[0].rstrip("."))

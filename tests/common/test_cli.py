@@ -43,6 +43,37 @@ def test_a_switch_in_a_config_takes_tomls_true_false_1_and_0(tmp_path, text, exp
     assert type(cfg.eval.hellaswag) is int and type(cfg.runtime.compile) is str
 
 
+@pytest.mark.parametrize("argv, here", [
+    (["--batch_size", "12"], "-B/--micro_batch_size"),  # nanoGPT's flags, in its configurator's form too
+    (["--learning_rate=6e-4"], "--max_lr"),
+    (["--eval_iters=200", "--max_iters", "10"], "--val_steps"),
+    (["--eval_only=True"], "--max_steps 0"),
+    (["--gradient_accumulation_steps=40"], "--total_batch_size"),
+    (["--min_lr", "6e-5"], "--min_lr_ratio"),  # nanoGPT's and build-nanogpt's
+    (["--use_compile"], "--compile"),  # build-nanogpt's setting
+])
+def test_nanogpts_and_build_nanogpts_names_for_a_flag_point_to_its_name_here(tmp_path, capsys, argv, here):
+    """On the command line or in a config file: one usage error naming this trainer's flag."""
+    name = argv[0].split("=")[0]
+    whose = train_config.OTHER_PROJECTS_FLAGS[name[2:]][0]
+    config = write(tmp_path / "theirs.toml", f"{name[2:]} = 1\n")
+    for args, where in ((argv, ""), (["--config", config], f"{config}: {name[2:]}: ")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_gpt2.parse_args(args)
+        message = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and "\n" not in message, message
+        assert f"error: {where}{name} is {whose} name; here it is {here}" in message, message
+
+
+def test_each_pointer_to_a_flag_here_names_one_the_trainer_takes():
+    parser = train_config.build_parser()
+    for name, (_, instead) in train_config.OTHER_PROJECTS_FLAGS.items():
+        named = re.match(r"(-\S+?)(,|\s|$)", instead).group(1).split("/")
+        taken = [flag for flag in named if flag in parser._option_string_actions
+                 and not isinstance(parser._option_string_actions[flag], cli.Retired)]
+        assert taken == named, name
+
+
 def test_every_preset_is_a_valid_config():
     for name in preset_names():
         assert train_gpt2.parse_args(["--preset", name]).preset == name
