@@ -3,6 +3,7 @@ the scripts' --json results. Only regular files are ever replaced."""
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 from contextlib import contextmanager, suppress
@@ -19,15 +20,14 @@ def file_kind(mode):
 
 @contextmanager
 def atomic_open(path, mode="wb"):
-    """Opens a temporary file beside path for writing; on success flushes it to disk and renames
-    it to path (replace_file), on any error removes it. A crash at any moment leaves the old file
-    or the new one, never a truncated file under the final name. An existing path that is not a
-    regular file is an OSError, before anything is written, and is left as it is."""
+    """Opens a temporary file beside path for writing (create_temporary); on success flushes it to
+    disk and renames it to path (replace_file), on any error removes it. A crash at any moment
+    leaves the old file or the new one, never a truncated file under the final name. An existing
+    path that is not a regular file is an OSError, before anything is written, and is left as it is."""
     check_replaceable(path)
-    tmp = temporary_path(path)
+    tmp, fd = create_temporary(path)
     try:
-        # O_NOFOLLOW: a link planted under the temporary name is not written through
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), mode) as f:
+        with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -56,9 +56,28 @@ def check_replaceable(path):
         raise OSError(code, f"{file_kind(mode)}, not a regular file", path)
 
 
+# Tries at a free temporary name: past the first, only where something was put at a random name.
+TEMPORARY_TRIES = 10
+
+
+def create_temporary(path):
+    """(name, descriptor) of a new file beside path, open for writing, that is this process's own:
+    made under a name no one can plant in advance (temporary_path) and created exclusively, so
+    that nothing put there first, a symbolic or a hard link to another file included, is ever
+    written through; a name taken already is passed over for another."""
+    for _ in range(TEMPORARY_TRIES):
+        tmp = temporary_path(path)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside it in {TEMPORARY_TRIES} tries", path)
+
+
 def temporary_path(path):
-    """Where atomic_open writes before renaming to path: beside it, one name per process."""
-    return f"{path}.tmp{os.getpid()}"
+    """A name beside path, in its directory (so that renaming it to path is atomic), with a random
+    suffix: PATH.tmp and 16 hex digits, which the trainer's and fineweb.py's tidying recognise."""
+    return f"{path}.tmp{secrets.token_hex(8)}"
 
 
 def check_writable(path):
@@ -66,8 +85,9 @@ def check_writable(path):
     script can check where its results go before hours of work rather than after."""
     check_replaceable(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    open(temporary_path(path), "w").close()
-    os.remove(temporary_path(path))
+    tmp, fd = create_temporary(path)
+    os.close(fd)
+    os.remove(tmp)
 
 
 LOCK_NAME = ".lock"  # in a directory one process writes at a time: log_dir, fineweb.py's output_dir

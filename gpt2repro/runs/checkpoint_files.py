@@ -168,7 +168,7 @@ def remove_unfinished(log_dir):
     """Removes the temporary files and .partial directories of saves that a SIGKILL or a power cut
     ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
     for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
-        if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
+        if re.search(r"ckpt_\d+(\.pt\.tmp[0-9a-f]+|\.partial)$", path):
             remove_entry(path)
 
 
