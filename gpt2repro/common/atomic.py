@@ -99,7 +99,11 @@ class CannotClaim(Exception):
 
 
 class DirectoryInUse(CannotClaim):
-    """Another live process holds the directory's lock."""
+    """Another live process holds the directory's lock; holder: its pid, as its lock file says."""
+
+    def __init__(self, message, holder):
+        super().__init__(message)
+        self.holder = holder
 
 
 class UnusableLock(CannotClaim):
@@ -120,7 +124,7 @@ def claim_directory(directory, owner):
         holder = f.read().strip() or "unknown"
         f.close()
         raise DirectoryInUse(f"{directory} is in use by another {owner} (pid {holder}): two would interleave "
-                             f"their files; wait for it to end, or choose another directory") from None
+                             f"their files; wait for it to end, or choose another directory", holder) from None
     try:
         f.seek(0)
         f.truncate()
