@@ -137,11 +137,36 @@ def claim_directory(directory, owner):
     return f
 
 
+def holds_lock(directory, lock):
+    """Whether lock, the open file claim_directory returned, is still directory's lock: not once
+    directory, or its .lock, was removed or replaced (rm -rf, and a directory made anew under that
+    name, whose lock another process may hold)."""
+    try:
+        there = os.lstat(os.path.join(directory, LOCK_NAME))
+    except OSError:
+        return False
+    held = os.fstat(lock.fileno())
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
 def remove_if_unused(directory):
-    """Removes directory if it holds nothing but its .lock: what a start that made it, claimed it
-    and then failed would otherwise leave behind."""
-    if os.path.isdir(directory) and not os.path.islink(directory) and set(os.listdir(directory)) <= {LOCK_NAME}:
+    """Removes directory if it holds nothing but a .lock of this process's (its pid): what a start
+    that made it, claimed it and then failed would otherwise leave behind. Not a directory made
+    anew under that name, where this one's was removed, by a run now starting there."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return
+    names = set(os.listdir(directory))
+    if names <= {LOCK_NAME} and (not names or lock_holder(directory) == str(os.getpid())):
         shutil.rmtree(directory)
+
+
+def lock_holder(directory):
+    """The pid that directory's .lock says holds it, as text; None where it cannot be read."""
+    try:
+        with os.fdopen(os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
+            return f.read(32).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def open_lock_file(directory):

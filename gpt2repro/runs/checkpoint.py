@@ -41,11 +41,12 @@ class Checkpointer:
     CheckpointManager: every interval steps and at the end, only finite weights, only where every
     rank's disk has room, one file from rank 0 or (sharded) storage files from every rank, in the
     background with async_save, the oldest pruned to keep_last. A save that fails (a full disk) is
-    a warning: training goes on."""
+    a warning: training goes on. claim: rank 0's LogDirClaim on log_dir, checked before anything
+    is written or pruned there (None on the other ranks)."""
 
-    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print):
+    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print, claim=None):
         self.log_dir, self.parts, self.interval, self.keep_last = log_dir, parts, interval, keep_last
-        self.sharded, self.log = sharded, log
+        self.sharded, self.log, self.claim = sharded, log, claim
         self.write = partial(save_sharded, async_save=async_save) if sharded else save_one_file  # the one difference
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # the Saving of a checkpoint still being written
@@ -61,6 +62,8 @@ class Checkpointer:
         waiting at the next collective. An interval of -1 saves nothing."""
         if self.interval < 0:
             return
+        if self.claim:
+            self.claim.check()
         finite = self.parts["model"].finite()
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
         self.wait()  # one checkpoint at a time
@@ -83,6 +86,8 @@ class Checkpointer:
             warn_unwritten(path, save_error(e))
             return
         if self.rank == 0:
+            if self.claim:
+                self.claim.check()
             prune_checkpoints(self.log_dir, self.keep_last)
         self.log(f"saved {path}")
 

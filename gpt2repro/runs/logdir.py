@@ -10,7 +10,8 @@ import stat
 import sys
 import time
 
-from gpt2repro.common.atomic import CannotClaim, DirectoryInUse, UnusableLock, atomic_open, claim_directory, file_kind
+from gpt2repro.common.atomic import (LOCK_NAME, CannotClaim, DirectoryInUse, UnusableLock, atomic_open, claim_directory,
+                                     file_kind, holds_lock)
 from gpt2repro.common.distributed import RunError
 from gpt2repro.common.inputs import first_line, parse_json
 from gpt2repro.runs import checkpoint_files
@@ -31,15 +32,39 @@ def make_log_dir(log_dir):
 
 
 def claim_log_dir(log_dir, enabled):
-    """On rank 0 (enabled), the lock that refuses a second run in log_dir: two would interleave
-    their checkpoints and logs. The kernel releases it when the process ends, however it ends. A
-    log_dir where the lock cannot be written (read-only, or its .lock not a regular file) is refused too."""
+    """On rank 0 (enabled), the LogDirClaim that refuses a second run in log_dir: two would
+    interleave their checkpoints and logs. The kernel releases its lock when the process ends,
+    however it ends. A log_dir where the lock cannot be written (read-only, or its .lock not a
+    regular file) is refused too."""
     if not enabled:
         return None
     try:
-        return claim_directory(log_dir, "train_gpt2.py run")
+        return LogDirClaim(log_dir, claim_directory(log_dir, "train_gpt2.py run"))
     except CannotClaim as e:
         raise RunError(f"--log_dir {e}") from None
+
+
+class LogDirLost(Exception):
+    """log_dir is no longer the directory the run claimed: found by rank 0 alone, before a write."""
+
+
+class LogDirClaim:
+    """Rank 0's claim on log_dir: the open file that holds its lock, and the check, before the run
+    writes or prunes anything there, that log_dir is still the directory it claimed."""
+
+    def __init__(self, log_dir, lock):
+        self.log_dir, self.lock = log_dir, lock
+
+    def check(self):
+        """LogDirLost where log_dir was removed, or replaced by a directory made anew under its name
+        (rm -rf, then another run): the run would write into a directory that is not its own, beside
+        a run that holds it, or make one, with no lock. It stops instead, having written nothing there."""
+        if not holds_lock(self.log_dir, self.lock):
+            raise LogDirLost(f"--log_dir {self.log_dir} was removed or replaced while the run was writing there (its "
+                             f"{LOCK_NAME} is not this run's): stopped, writing nothing into what is there now")
+
+    def close(self):
+        self.lock.close()
 
 
 def tidy_log_dir(log_dir, resume, log, enabled):
@@ -232,13 +257,16 @@ class MetricsLog:
     """log.jsonl: one JSON object per event, all with `step` and `tokens`. A run that trains from
     step s keeps the records of steps before s: those of later steps, written after that
     checkpoint by a run that then died, are dropped, so no step is counted twice (keep_before=s;
-    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard)."""
+    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard). claim:
+    rank 0's LogDirClaim, checked before each write (None where unclaimed)."""
 
-    def __init__(self, log_dir, keep_before, enabled, mirrors=()):
+    def __init__(self, log_dir, keep_before, enabled, mirrors=(), claim=None):
         self.path = os.path.join(log_dir, "log.jsonl")
         self.enabled = enabled
         self.mirrors = mirrors
+        self.claim = claim
         if enabled:  # rewritten even when every record is kept: a half-written last line goes
+            self.check_claim()
             kept = self._records_before(keep_before)
             try:
                 with atomic_open(self.path, "w") as f:
@@ -266,6 +294,7 @@ class MetricsLog:
 
     def write(self, **record):
         if self.enabled:
+            self.check_claim()
             try:
                 with open(self.path, "a", opener=no_follow) as f:
                     f.write(json.dumps(record) + "\n")
@@ -273,6 +302,10 @@ class MetricsLog:
                 print(f"warning: could not append to {self.path}: {e}", file=sys.stderr)
             for mirror in self.mirrors:
                 mirror(record)
+
+    def check_claim(self):
+        if self.claim:
+            self.claim.check()
 
 
 def no_follow(path, flags):

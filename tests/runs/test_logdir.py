@@ -1,12 +1,14 @@
 """logdir.py: nothing a run writes in its log_dir follows a link; a start-over killed at any point
 loses nothing; only a checkpoint its reader accepts, not a name, makes an earlier run removable;
 which checkpoint is later is what they record (run and step), whatever their files' times; an
-earlier run that a run trains in is never removed; and --resume auto passes over no checkpoint
-in silence."""
+earlier run that a run trains in is never removed; --resume auto passes over no checkpoint in
+silence; and a run whose log_dir is removed under it stops, writing nothing into what is there now."""
 import os
 import pickle
 import re
 import shutil
+import subprocess
+import sys
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -14,10 +16,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+import train_gpt2
 from gpt2repro.common.atomic import claim_directory
 from gpt2repro.runs import checkpoint_files, logdir
+from helpers import REPO
 from helpers.files import WritesAFile, listdir
-from helpers.runs import error_of, read_log, train
+from helpers.processes import run_torchrun, said_errors
+from helpers.runs import TINY, error_of, read_log, train
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
 EARLIER = "previous_20260101-000000"  # a run that an earlier start-over moved aside
@@ -321,6 +326,84 @@ def test_a_log_linked_once_the_run_is_under_way_is_not_appended_through(tmp_path
     metrics.write(step=1, tokens=256)
     assert f"warning: could not append to {tmp_path / 'log.jsonl'}" in capsys.readouterr().err
     assert outside.read_text() == "the user's own\n"
+
+
+# ----------------------------------------------------------------------------- a log_dir removed under a run
+
+def lost_log_dir(log_dir):
+    return (f"--log_dir {log_dir} was removed or replaced while the run was writing there (its .lock is not this "
+            f"run's): stopped, writing nothing into what is there now")
+
+
+SECOND_RUN = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from gpt2repro.common import atomic
+os.makedirs({log_dir!r})
+lock = atomic.claim_directory({log_dir!r}, "train_gpt2.py run")
+print(flush=True)
+input()
+"""
+
+
+@pytest.mark.parametrize("write", ["log line", "checkpoint"])
+def test_a_run_whose_log_dir_is_removed_under_it_stops_at_its_next_write_and_writes_nothing_there(
+        shards, tmp_path, capsys, monkeypatch, write):
+    """rm -rf of log_dir under a running trainer, then a second run starting there, in a directory
+    made anew that it holds the lock of: the first stops at its next write (step 3's log line, or
+    step 2's checkpoint) in one line, and leaves the second's directory as it found it, though it
+    made a log_dir of that name itself."""
+    log_dir = tmp_path / "log"
+    second = []
+    real_log_step = train_gpt2.log_step
+
+    def log_step(run, step, *args):
+        real_log_step(run, step, *args)
+        if step == (2 if write == "log line" else 1):
+            shutil.rmtree(log_dir)
+            second.append(subprocess.Popen([sys.executable, "-c", SECOND_RUN.format(repo=REPO, log_dir=str(log_dir))],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            second[0].stdout.readline()  # it holds the new log_dir's lock now
+    monkeypatch.setattr(train_gpt2, "log_step", log_step)
+    try:
+        assert error_of(capsys, "--data_dir", shards, "--log_dir", log_dir, *RUN) == f"error: {lost_log_dir(log_dir)}"
+        assert os.listdir(log_dir) == [".lock"] and (log_dir / ".lock").read_text() == f"{second[0].pid}\n"
+    finally:
+        for process in second:
+            process.kill()
+            process.wait()
+
+
+REMOVED_ON_RANK_0 = """
+import os, shutil, sys
+sys.path.insert(0, {repo!r})
+import train_gpt2
+real_log_step = train_gpt2.log_step
+
+
+def log_step(run, step, *args):
+    real_log_step(run, step, *args)
+    if step == 2 and os.environ["RANK"] == "0":  # rm -rf, and a second run's log in a directory made anew
+        shutil.rmtree({log_dir!r})
+        os.makedirs({log_dir!r})
+        with open(os.path.join({log_dir!r}, "log.jsonl"), "w") as f:
+            f.write({second!r})
+train_gpt2.log_step = log_step
+train_gpt2.main()
+"""
+
+
+@pytest.mark.slow
+def test_on_two_ranks_a_log_dir_removed_under_the_run_stops_every_rank_in_one_line(shards, tmp_path):
+    """Rank 0 alone writes in log_dir and finds it gone: it says so, naming itself, and rank 1,
+    whose next collective then fails, stops with it, quietly."""
+    log_dir, second = tmp_path / "log", '{"step": 0, "tokens": 0}\n'
+    script = tmp_path / "removed_on_rank_0.py"
+    script.write_text(REMOVED_ON_RANK_0.format(repo=REPO, log_dir=str(log_dir), second=second))
+    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--data_dir", shards, "--log_dir", log_dir, timeout=180)
+    assert result.returncode == 1
+    assert said_errors(result.stderr) == [f"error: rank 0: {lost_log_dir(log_dir)}"]
+    assert os.listdir(log_dir) == ["log.jsonl"] and (log_dir / "log.jsonl").read_text() == second
 
 
 # ----------------------------------------------------------------------------- checkpoints under other names
