@@ -38,7 +38,7 @@ from gpt2repro.runs import logdir
 from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, training_parts
 from gpt2repro.runs.checkpoint_files import list_checkpoints
 from gpt2repro.runs.loading import check_run_sources, load_model, replaced_settings
-from gpt2repro.runs.logdir import MetricsLog
+from gpt2repro.runs.logdir import LogDirLost, MetricsLog
 from gpt2repro.training import fsdp, memory, train_config
 from gpt2repro.training.faults import Faults
 from gpt2repro.training.optimizers import current_muon_lr, describe
@@ -82,7 +82,7 @@ class Run:
     start_step: int
     metrics: MetricsLog
     checkpointer: Checkpointer
-    log_dir_lock: object  # on rank 0, the open file whose lock keeps other runs out of log_dir
+    log_dir_lock: object  # on rank 0, the LogDirClaim whose lock keeps other runs out of log_dir
 
 
 @dataclass
@@ -117,10 +117,10 @@ def setup(cfg):
     torch.manual_seed(cfg.runtime.seed + procs.rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
         procs.log(describe(trainable.optimizer, cfg.optimizer))
-    checkpointer, start_step = restore_state(cfg, trainable, train_loader, procs.log)
+    checkpointer, start_step = restore_state(cfg, trainable, train_loader, procs.log, log_dir_lock)
     # Records past the starting step are of steps about to be trained again; an evaluation trains none.
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
-    metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors)
+    metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors, log_dir_lock)
     return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, evaluation,
                hellaswag_examples, start_step, metrics, checkpointer, log_dir_lock)
 
@@ -232,9 +232,10 @@ def settle_evaluation(cfg, gpt_config, val_loader, log):
     return Evaluation(val_steps, sample_interval)
 
 
-def restore_state(cfg, trainable, train_loader, log):
-    """(the run's Checkpointer, handed the parts it saves and restores, and the step to start from):
-    that of the checkpoint --resume names, restored into trainable and the loader, or 0."""
+def restore_state(cfg, trainable, train_loader, log, claim):
+    """(the run's Checkpointer, handed the parts it saves and restores and rank 0's claim on log_dir,
+    and the step to start from): that of the checkpoint --resume names, restored into trainable and
+    the loader, or 0."""
     saving = cfg.checkpoints
     if saving.resume == "auto" and list_checkpoints(cfg.log_dir):
         log(f"restoring the newest checkpoint in {cfg.log_dir}")
@@ -242,7 +243,7 @@ def restore_state(cfg, trainable, train_loader, log):
         log(f"restoring {saving.resume}")
     checkpointer = Checkpointer(cfg.log_dir, training_parts(trainable, train_loader), saving.checkpoint_interval,
                                 saving.keep_last, sharded=bool(cfg.scale.fsdp), async_save=saving.async_checkpoint,
-                                log=log)
+                                log=log, claim=claim)
     return checkpointer, checkpointer.restore(saving.resume, cfg.schedule.max_steps, cfg.flags())
 
 
@@ -460,7 +461,8 @@ def main(argv=None):
         return train(cfg)
     except (RunError, CheckpointError) as e:  # met by every rank alike (agree, on_every_rank)
         error, code = str(e) if rank == 0 else None, 1
-    except ShardError as e:  # setup agrees on every shard: this is a window only this rank reads
+    except (ShardError, LogDirLost) as e:  # met by this rank alone: a window only it reads (setup agrees on every
+        # shard), or rank 0's log_dir removed under it
         error, code = distributed.fail_alone(str(e)), 1
     except KeyboardInterrupt:  # a second Ctrl-C, while the first one's checkpoint was coming
         interrupted = "interrupted again: stopped without a checkpoint; `--resume auto` continues from the newest"

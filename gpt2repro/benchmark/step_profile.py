@@ -8,6 +8,7 @@ import gzip
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 
@@ -55,10 +56,16 @@ def operator_category(event):
 
 def export_trace(prof, path):
     """Writes prof's Chrome trace to path, gzipped, whole or not at all; returns why it could not,
-    or None. torch writes PATH.tmp and renames it, and on a failed write (a full disk) only logs
-    it, leaving PATH.tmp and no trace: it writes under another name here, whose gzipped copy is
-    renamed to path once it is whole."""
-    partial = f"{path}.partial{os.getpid()}"
+    or None. torch writes NAME.tmp and renames it, following a link planted there, and on a failed
+    write (a full disk) only logs it, leaving NAME.tmp and no trace: it writes in a folder of this
+    process's own beside path (mkdtemp: a random name, made exclusively, that no one else may
+    write in), whose gzipped copy is renamed to path once it is whole."""
+    try:
+        folder = tempfile.mkdtemp(prefix=f"{os.path.basename(path)}.", suffix=".partial",
+                                  dir=os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        return e.strerror or str(e)
+    partial = os.path.join(folder, "trace.json")
     try:
         prof.export_chrome_trace(partial)
         if not os.path.isfile(partial):
@@ -69,9 +76,7 @@ def export_trace(prof, path):
     except OSError as e:
         return e.strerror or str(e)
     finally:
-        for leftover in (partial, partial + ".tmp"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def profile_table(events, seconds, n_steps, device_type):

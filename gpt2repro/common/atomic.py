@@ -3,6 +3,7 @@ the scripts' --json results. Only regular files are ever replaced."""
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 from contextlib import contextmanager, suppress
@@ -19,15 +20,14 @@ def file_kind(mode):
 
 @contextmanager
 def atomic_open(path, mode="wb"):
-    """Opens a temporary file beside path for writing; on success flushes it to disk and renames
-    it to path (replace_file), on any error removes it. A crash at any moment leaves the old file
-    or the new one, never a truncated file under the final name. An existing path that is not a
-    regular file is an OSError, before anything is written, and is left as it is."""
+    """Opens a temporary file beside path for writing (create_temporary); on success flushes it to
+    disk and renames it to path (replace_file), on any error removes it. A crash at any moment
+    leaves the old file or the new one, never a truncated file under the final name. An existing
+    path that is not a regular file is an OSError, before anything is written, and is left as it is."""
     check_replaceable(path)
-    tmp = temporary_path(path)
+    tmp, fd = create_temporary(path)
     try:
-        # O_NOFOLLOW: a link planted under the temporary name is not written through
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), mode) as f:
+        with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -56,9 +56,28 @@ def check_replaceable(path):
         raise OSError(code, f"{file_kind(mode)}, not a regular file", path)
 
 
+# Tries at a free temporary name: past the first, only where something was put at a random name.
+TEMPORARY_TRIES = 10
+
+
+def create_temporary(path):
+    """(name, descriptor) of a new file beside path, open for writing, that is this process's own:
+    made under a name no one can plant in advance (temporary_path) and created exclusively, so
+    that nothing put there first, a symbolic or a hard link to another file included, is ever
+    written through; a name taken already is passed over for another."""
+    for _ in range(TEMPORARY_TRIES):
+        tmp = temporary_path(path)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside it in {TEMPORARY_TRIES} tries", path)
+
+
 def temporary_path(path):
-    """Where atomic_open writes before renaming to path: beside it, one name per process."""
-    return f"{path}.tmp{os.getpid()}"
+    """A name beside path, in its directory (so that renaming it to path is atomic), with a random
+    suffix: PATH.tmp and 16 hex digits, which the trainer's and fineweb.py's tidying recognise."""
+    return f"{path}.tmp{secrets.token_hex(8)}"
 
 
 def check_writable(path):
@@ -66,8 +85,9 @@ def check_writable(path):
     script can check where its results go before hours of work rather than after."""
     check_replaceable(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    open(temporary_path(path), "w").close()
-    os.remove(temporary_path(path))
+    tmp, fd = create_temporary(path)
+    os.close(fd)
+    os.remove(tmp)
 
 
 LOCK_NAME = ".lock"  # in a directory one process writes at a time: log_dir, fineweb.py's output_dir
@@ -79,7 +99,11 @@ class CannotClaim(Exception):
 
 
 class DirectoryInUse(CannotClaim):
-    """Another live process holds the directory's lock."""
+    """Another live process holds the directory's lock; holder: its pid, as its lock file says."""
+
+    def __init__(self, message, holder):
+        super().__init__(message)
+        self.holder = holder
 
 
 class UnusableLock(CannotClaim):
@@ -100,7 +124,7 @@ def claim_directory(directory, owner):
         holder = f.read().strip() or "unknown"
         f.close()
         raise DirectoryInUse(f"{directory} is in use by another {owner} (pid {holder}): two would interleave "
-                             f"their files; wait for it to end, or choose another directory") from None
+                             f"their files; wait for it to end, or choose another directory", holder) from None
     try:
         f.seek(0)
         f.truncate()
@@ -113,11 +137,36 @@ def claim_directory(directory, owner):
     return f
 
 
+def holds_lock(directory, lock):
+    """Whether lock, the open file claim_directory returned, is still directory's lock: not once
+    directory, or its .lock, was removed or replaced (rm -rf, and a directory made anew under that
+    name, whose lock another process may hold)."""
+    try:
+        there = os.lstat(os.path.join(directory, LOCK_NAME))
+    except OSError:
+        return False
+    held = os.fstat(lock.fileno())
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
 def remove_if_unused(directory):
-    """Removes directory if it holds nothing but its .lock: what a start that made it, claimed it
-    and then failed would otherwise leave behind."""
-    if os.path.isdir(directory) and not os.path.islink(directory) and set(os.listdir(directory)) <= {LOCK_NAME}:
+    """Removes directory if it holds nothing but a .lock of this process's (its pid): what a start
+    that made it, claimed it and then failed would otherwise leave behind. Not a directory made
+    anew under that name, where this one's was removed, by a run now starting there."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return
+    names = set(os.listdir(directory))
+    if names <= {LOCK_NAME} and (not names or lock_holder(directory) == str(os.getpid())):
         shutil.rmtree(directory)
+
+
+def lock_holder(directory):
+    """The pid that directory's .lock says holds it, as text; None where it cannot be read."""
+    try:
+        with os.fdopen(os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
+            return f.read(32).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def open_lock_file(directory):

@@ -3,13 +3,13 @@
 A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer
 (whose saved state optimizer_state.py loads and checks), the loss scaler, the train loader's
 position and every rank's random state. Each part saves and restores itself (state_dict,
-load_state_dict); a checkpoint holds each under its name, beside its record: the step, the config
-(GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a checkpoint lies in files,
-one file or a sharded directory, and where in a log_dir, is checkpoint_files.py's; a run resumes
-through restore_parts, from either format, on any number of ranks. This file reads in that
-order: the Checkpointer that decides when a run saves, saves and restores; the parts; how a
-checkpoint restores them, once its record is found to fit the run. The root's checkpoint.py
-converts a sharded checkpoint into one file.
+load_state_dict); a checkpoint holds each under its name, beside its record: the step, the run's
+identity, the config (GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a
+checkpoint lies in files, one file or a sharded directory, and where in a log_dir, is
+checkpoint_files.py's; a run resumes through restore_parts, from either format, on any number of
+ranks. This file reads in that order: the Checkpointer that decides when a run saves, saves and
+restores; the parts; how a checkpoint restores them, once its record is found to fit the run. The
+root's checkpoint.py converts a sharded checkpoint into one file.
 """
 from dataclasses import asdict, replace
 from functools import partial
@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from gpt2repro.common.distributed import RunError, agree, every_rank
 from gpt2repro.common.inputs import brief, first_line
 from gpt2repro.runs.checkpoint_files import (Unrestorable, check_no_later_checkpoints, checkpoint_path, checkpoint_step,
-                                             find_resume, latest_checkpoint, prune_checkpoints, restoring, save_error,
-                                             save_one_file, save_sharded, warn_unwritten)
+                                             find_resume, latest_checkpoint, new_run_identity, prune_checkpoints,
+                                             restoring, save_error, save_one_file, save_sharded, warn_unwritten)
 from gpt2repro.runs.dcp_reader import CheckpointError, UnreadableStorage
 from gpt2repro.runs.optimizer_state import (keyed_by_name, load_optimizer_state, optimizer_state_problem,
                                             saved_optimizer_problem, with_run_settings)
@@ -41,14 +41,16 @@ class Checkpointer:
     CheckpointManager: every interval steps and at the end, only finite weights, only where every
     rank's disk has room, one file from rank 0 or (sharded) storage files from every rank, in the
     background with async_save, the oldest pruned to keep_last. A save that fails (a full disk) is
-    a warning: training goes on."""
+    a warning: training goes on. claim: rank 0's LogDirClaim on log_dir, checked before anything
+    is written or pruned there (None on the other ranks)."""
 
-    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print):
+    def __init__(self, log_dir, parts, interval, keep_last, sharded=False, async_save=False, log=print, claim=None):
         self.log_dir, self.parts, self.interval, self.keep_last = log_dir, parts, interval, keep_last
-        self.sharded, self.log = sharded, log
+        self.sharded, self.log, self.claim = sharded, log, claim
         self.write = partial(save_sharded, async_save=async_save) if sharded else save_one_file  # the one difference
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # the Saving of a checkpoint still being written
+        self.run = None  # the run's identity, recorded in each checkpoint: restore settles it
 
     def due(self, step, start_step, last_step):
         """Whether to save at step: every interval steps and at the end, but not the step resumed from."""
@@ -60,10 +62,12 @@ class Checkpointer:
         waiting at the next collective. An interval of -1 saves nothing."""
         if self.interval < 0:
             return
+        if self.claim:
+            self.claim.check()
         finite = self.parts["model"].finite()
         agree(None if finite else f"the weights at step {step} are not finite: not checkpointing them")
         self.wait()  # one checkpoint at a time
-        record = checkpoint_record(self.parts, step, flags)
+        record = checkpoint_record(self.parts, step, flags, self.run)
         self.pending = self.write(checkpoint_path(self.log_dir, step, self.sharded), self.parts, record)
         if self.pending is not None and self.pending.future is None:
             self.wait()
@@ -82,17 +86,19 @@ class Checkpointer:
             warn_unwritten(path, save_error(e))
             return
         if self.rank == 0:
+            if self.claim:
+                self.claim.check()
             prune_checkpoints(self.log_dir, self.keep_last)
         self.log(f"saved {path}")
 
     def restore(self, resume, max_steps, flags):
         """Restores every part from the checkpoint resume names ("auto", "none" or a path), under
         this run's hyperparameters; given the run's flags (TrainConfig.flags()), logs those that
-        differ from the checkpoint's record in one line. Returns the step to start from. Every rank
-        reads the checkpoint itself, so all must find the same one: on several nodes, log_dir must
-        be shared storage. Under "auto", a sharded checkpoint whose storage files cannot be read
-        (damage shows only then) is passed over for the next older one, which overwrites whatever
-        the failed restore had loaded."""
+        differ from the checkpoint's record in one line. Returns the step to start from, and settles
+        the run's identity (run_identity). Every rank reads the checkpoint itself, so all must find
+        the same one: on several nodes, log_dir must be shared storage. Under "auto", a sharded
+        checkpoint whose storage files cannot be read (damage shows only then) is passed over for
+        the next older one, which overwrites whatever the failed restore had loaded."""
         found = find_resume(resume, self.log_dir)
         while True:
             steps = every_rank(found[1].get("step") if found else None)  # a model-only one has none: restore says so
@@ -100,6 +106,7 @@ class Checkpointer:
                 raise RunError(f"the ranks found different checkpoints to resume from (step per rank: {steps}): "
                                f"on several nodes, --log_dir must be a directory they all share")
             if found is None:
+                self.run = run_identity(None)
                 return 0
             path, state = found
             try:
@@ -110,6 +117,7 @@ class Checkpointer:
                     raise
                 self.log(f"warning: skipping {e}")
                 found = latest_checkpoint(self.log_dir, before=checkpoint_step(path))
+        self.run = run_identity(state)
         self.log(f"resuming from {path} at step {step}")
         changed = changed_hyperparameters(recorded_flags(state), flags)
         if changed:
@@ -135,10 +143,19 @@ def training_parts(trainable, train_loader):
             "rng": RandomStates(model.config.dropout)}
 
 
-def checkpoint_record(parts, step, flags):
-    """What a checkpoint records of its run beside the parts' states: the step, the model's config
-    (GPTConfig as a dict) and the run's flags (TrainConfig.flags())."""
-    return {"step": step, "config": asdict(parts["model"].raw_model.config), "flags": flags}
+def checkpoint_record(parts, step, flags, run):
+    """What a checkpoint records of its run beside the parts' states: the step, the run's identity
+    (run_identity), the model's config (GPTConfig as a dict) and the run's flags (TrainConfig.flags())."""
+    return {"step": step, "run": run, "config": asdict(parts["model"].raw_model.config), "flags": flags}
+
+
+def run_identity(state):
+    """The identity of the run that resumes state (a checkpoint's; None where it starts afresh),
+    the same on every rank: its record's, or a new one (rank 0's) where it records none, at a
+    fresh start or from a checkpoint written before runs had one. With the step, it tells which of
+    two checkpoints is the later of a run (checkpoint_files.Saved), whatever their files' times."""
+    recorded = state.get("run") if state else None
+    return every_rank(recorded or new_run_identity())[0]
 
 
 class ModelPart:

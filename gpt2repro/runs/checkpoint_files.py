@@ -15,6 +15,7 @@ import glob
 import os
 import pickle
 import re
+import secrets
 import shutil
 import stat
 import sys
@@ -61,7 +62,12 @@ def list_checkpoints(log_dir):
     """The checkpoints in log_dir of either kind (is_checkpoint), under the trainer's names, oldest
     step first. A sharded one is complete only under its final name: it is written under another
     and renamed."""
-    return [path for path in named_checkpoints(log_dir) if is_checkpoint(path)]
+    return [saved.path for saved in saved_checkpoints(log_dir)]
+
+
+def saved_checkpoints(log_dir):
+    """list_checkpoints(log_dir), each as a Saved: where it stands among others."""
+    return [saved for saved in map(read_saved, named_checkpoints(log_dir)) if saved]
 
 
 def unnamed_checkpoints(log_dir):
@@ -73,28 +79,66 @@ def unnamed_checkpoints(log_dir):
 
 
 def is_checkpoint(path):
-    """Whether path is a checkpoint by what it is, whatever its name, decided without unpickling
-    or reading a tensor: a regular file that is torch.save's zip (is_torch_file), or a directory
-    whose .metadata is a regular file that starts as a pickle does and whose train_state.pt is
-    torch.save's zip. A link, an empty file or folder, a copy cut short never is; a checkpoint
-    damaged inside can be, and its reader says so."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return is_torch_file(path)
-        metadata = os.path.join(path, ".metadata")
-        if not stat.S_ISREG(os.lstat(metadata).st_mode):
+    """Whether path is a run's checkpoint by what it is, whatever its name: one its reader accepts
+    (read_saved)."""
+    return read_saved(path) is not None
+
+
+class Saved(NamedTuple):
+    """A checkpoint as it stands among others, by its record: its path, the identity of its run
+    (None in one written before runs had one), its step, and when it was saved (its modification
+    time in ns; a sharded one's .metadata's, which a rename never changes), which orders only
+    checkpoints without an identity."""
+    path: str
+    run: str | None
+    step: int
+    saved_ns: int
+
+    def later_than(self, other):
+        """Whether this holds a later state of other's run than other: a later step of the same
+        run. Checkpoints without an identity count as one run, ordered by when they were saved, as
+        before runs had one; against one with an identity, as another run."""
+        if self.run != other.run:
             return False
-        with open(metadata, "rb") as f:
-            start = f.read(2)
-        return len(start) == 2 and start[0] == pickle.PROTO[0] and 2 <= start[1] <= pickle.HIGHEST_PROTOCOL \
-            and is_torch_file(os.path.join(path, TRAIN_STATE))
-    except OSError:
-        return False
+        return self.saved_ns > other.saved_ns if self.run is None else self.step > other.step
+
+
+def read_saved(path):
+    """The checkpoint at path as a Saved, once its reader accepts it (load_checkpoint's, its tensors
+    memory-mapped, not read): else None. A link, an empty file or folder, a copy cut short, a zip
+    that holds torch.save's names but not its data, a pickle that would construct anything, a
+    record of no step (a model's, not a run's) never is a checkpoint, whatever its name."""
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return None
+        kind = checkpoint_format(path)
+        if kind is None or (kind is OneFileCheckpoint and not is_torch_file(path)):
+            return None
+        state = kind.load(path, mmap=True).state
+        saved_ns = os.lstat(os.path.join(path, ".metadata") if kind is ShardedCheckpoint else path).st_mtime_ns
+    except (CheckpointError, OSError):
+        return None
+    step = state.get("step")
+    return Saved(path, state.get("run"), step, saved_ns) if is_step(step) else None
+
+
+def is_step(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def newest_of_each_run(saved):
+    """{run: its newest checkpoint} of saved, Saved checkpoints."""
+    newest = {}
+    for checkpoint in saved:
+        if checkpoint.run not in newest or checkpoint.later_than(newest[checkpoint.run]):
+            newest[checkpoint.run] = checkpoint
+    return newest
 
 
 def is_torch_file(path):
     """Whether path is a regular file (not a link) in torch.save's format: a zip whose entries
-    lie in one folder that holds data.pkl and version. Only the zip's directory, at its end, is read."""
+    lie in one folder that holds data.pkl and version. Only the zip's directory, at its end, is
+    read: a cheap first look, before its reader's."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
@@ -168,7 +212,7 @@ def remove_unfinished(log_dir):
     """Removes the temporary files and .partial directories of saves that a SIGKILL or a power cut
     ended (each as large as a checkpoint). Only one run writes into a log_dir at a time."""
     for path in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*")):
-        if re.search(r"ckpt_\d+(\.pt\.tmp\d+|\.partial)$", path):
+        if re.search(r"ckpt_\d+(\.pt\.tmp[0-9a-f]+|\.partial)$", path):
             remove_entry(path)
 
 
@@ -212,8 +256,9 @@ class OneFileCheckpoint(Checkpoint):
     __slots__ = ()
 
     @classmethod
-    def load(cls, path, map_location="cpu"):
-        return cls(path, _load_plain(path, map_location))
+    def load(cls, path, map_location="cpu", mmap=False):
+        """mmap: its tensors memory-mapped, read only once used."""
+        return cls(path, _load_plain(path, map_location, mmap=mmap))
 
     def holds(self, key, parts):
         """Whether it holds key: a field of the record, or the state of one of parts."""
@@ -230,10 +275,11 @@ class ShardedCheckpoint(Checkpoint):
     __slots__ = ()
 
     @classmethod
-    def load(cls, path, map_location="cpu"):
+    def load(cls, path, map_location="cpu", mmap=False):
+        """mmap: the tensors of train_state.pt memory-mapped, read only once used."""
         check_storage_files(path, read_metadata(path).storage_data)  # what can be checked before reading them
         refuse_link(os.path.join(path, TRAIN_STATE))
-        return cls(path, _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",)))
+        return cls(path, _load_plain(os.path.join(path, TRAIN_STATE), map_location, require=("config",), mmap=mmap))
 
     def holds(self, key, parts):
         """Whether it holds key: a field of the record, or the state of one of parts."""
@@ -251,11 +297,11 @@ class ShardedCheckpoint(Checkpoint):
                 (name, part.load_state_dict, self.state[name]) for name, part in parts.items()]
 
 
-def _load_plain(path, map_location, require=("model", "config")):
+def _load_plain(path, map_location, require=("model", "config"), mmap=False):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         unsafe = re.search(r"GLOBAL (\S+)", str(e))  # a pickle that would build an object: code can hide there
         if unsafe:
@@ -282,14 +328,24 @@ CHECKPOINT_DEPTH = 6
 # The fields that are records, dicts of plain values, and how deep: GPTConfig's fields; the run's
 # flags ("args" in checkpoints written before that name), whose --fault is a list of dicts.
 RECORD_DEPTHS = {"config": 1, "flags": 3, "args": 3}
+# A run's identity, recorded in each of its checkpoints (absent from those written before): made
+# at its start, kept by every resume of it.
+RUN_IDENTITY = re.compile(r"[0-9a-f]{32}")
+
+
+def new_run_identity():
+    return secrets.token_hex(16)
 
 
 def contents_problem(state):
     """Why a loaded checkpoint cannot be used or printed at a bounded cost, or None: it must be
     tensors and plain data CHECKPOINT_DEPTH deep at most, its model a dict, its records dicts of
-    plain values."""
+    plain values, its run (if recorded) a run's identity."""
     if not isinstance(state.get("model", {}), dict):
         return f"its model is {brief(state['model'])}, not a state dict"
+    run = state.get("run")
+    if run is not None and not (isinstance(run, str) and RUN_IDENTITY.fullmatch(run)):
+        return f"its run is {brief(run)}, not a run's identity"
     for field, depth in RECORD_DEPTHS.items():
         if field in state and not isinstance(state[field], dict):
             return f"its {field} is {brief(state[field])}, not a dict of values"

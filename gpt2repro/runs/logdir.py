@@ -10,7 +10,8 @@ import stat
 import sys
 import time
 
-from gpt2repro.common.atomic import CannotClaim, atomic_open, claim_directory, file_kind
+from gpt2repro.common.atomic import (LOCK_NAME, CannotClaim, DirectoryInUse, UnusableLock, atomic_open, claim_directory,
+                                     file_kind, holds_lock)
 from gpt2repro.common.distributed import RunError
 from gpt2repro.common.inputs import first_line, parse_json
 from gpt2repro.runs import checkpoint_files
@@ -31,15 +32,39 @@ def make_log_dir(log_dir):
 
 
 def claim_log_dir(log_dir, enabled):
-    """On rank 0 (enabled), the lock that refuses a second run in log_dir: two would interleave
-    their checkpoints and logs. The kernel releases it when the process ends, however it ends. A
-    log_dir where the lock cannot be written (read-only, or its .lock not a regular file) is refused too."""
+    """On rank 0 (enabled), the LogDirClaim that refuses a second run in log_dir: two would
+    interleave their checkpoints and logs. The kernel releases its lock when the process ends,
+    however it ends. A log_dir where the lock cannot be written (read-only, or its .lock not a
+    regular file) is refused too."""
     if not enabled:
         return None
     try:
-        return claim_directory(log_dir, "train_gpt2.py run")
+        return LogDirClaim(log_dir, claim_directory(log_dir, "train_gpt2.py run"))
     except CannotClaim as e:
         raise RunError(f"--log_dir {e}") from None
+
+
+class LogDirLost(Exception):
+    """log_dir is no longer the directory the run claimed: found by rank 0 alone, before a write."""
+
+
+class LogDirClaim:
+    """Rank 0's claim on log_dir: the open file that holds its lock, and the check, before the run
+    writes or prunes anything there, that log_dir is still the directory it claimed."""
+
+    def __init__(self, log_dir, lock):
+        self.log_dir, self.lock = log_dir, lock
+
+    def check(self):
+        """LogDirLost where log_dir was removed, or replaced by a directory made anew under its name
+        (rm -rf, then another run): the run would write into a directory that is not its own, beside
+        a run that holds it, or make one, with no lock. It stops instead, having written nothing there."""
+        if not holds_lock(self.log_dir, self.lock):
+            raise LogDirLost(f"--log_dir {self.log_dir} was removed or replaced while the run was writing there (its "
+                             f"{LOCK_NAME} is not this run's): stopped, writing nothing into what is there now")
+
+    def close(self):
+        self.lock.close()
 
 
 def tidy_log_dir(log_dir, resume, log, enabled):
@@ -82,33 +107,33 @@ def start_over(log_dir, log):
     """Moves the run in log_dir (its RUN_FILES, and whatever is named as a checkpoint) into
     log_dir/previous_<UTC time>/, so that no directory ever holds two runs' checkpoints: gathered
     in MOVING and renamed whole, so that a kill at any point leaves the run whole in one place.
-    Then removes the previous_* folders earlier start-overs made, but for any that holds a
-    checkpoint saved after every one of the run moved aside (newest_saved): a run without a
-    checkpoint never replaces one with. A log_dir so keeps the newest earlier run with a
-    checkpoint, and at most one without, however often a run starts over there."""
+    Then removes the previous_* folders earlier start-overs made, but for those it does not
+    replace (why_kept) and those a run trains in (remove_unless_in_use). A log_dir so keeps the
+    newest earlier run with a checkpoint, and at most one without, however often a run starts
+    over there."""
     names = [name for name in os.listdir(log_dir) if name in RUN_FILES or checkpoint_files.CHECKPOINT_RE.fullmatch(name)]
     if not names:
         return
-    newest = newest_saved(log_dir)
     moving = os.path.join(log_dir, MOVING)
     os.mkdir(moving)
     for name in names:
         os.rename(os.path.join(log_dir, name), os.path.join(moving, name))
     aside = free_previous_name(log_dir)
     os.rename(moving, aside)
-    older = [path for path in earlier_runs(log_dir) if path != aside]
-    kept = [path for path in older if saved_after(newest_saved(path), newest)]
-    removed = [path for path in older if path not in kept]
-    removed_sizes = sized(removed)
-    for path in removed:
-        shutil.rmtree(path)
-    said = f"moved the earlier run ({megabytes(aside)}{'' if newest else ', no checkpoint'}) to {aside}"
-    said += f", and removed the one before it, {removed_sizes}" if removed else ""
-    if kept:
-        why = "its checkpoints were saved after the moved run's" if newest else \
-            "a run without a checkpoint never replaces one with"
-        said += f"; kept {sized(kept)}: {why}"
-    log(f"--resume none: {said}")
+    moved = checkpoint_files.saved_checkpoints(aside)
+    removed, kept = [], []
+    for path in earlier_runs(log_dir):
+        if path == aside:
+            continue
+        size = megabytes(path)
+        why = why_kept(checkpoint_files.saved_checkpoints(path), moved) or remove_unless_in_use(path)
+        if why:
+            kept.append(f"; kept {path} ({size}): {why}")
+        else:
+            removed.append(f"{path} ({size})")
+    said = f"moved the earlier run ({megabytes(aside)}{'' if moved else ', no checkpoint'}) to {aside}"
+    said += f", and removed the one before it, {', '.join(removed)}" if removed else ""
+    log(f"--resume none: {said}{''.join(kept)}")
 
 
 def earlier_runs(log_dir):
@@ -117,17 +142,37 @@ def earlier_runs(log_dir):
     return [path for path in paths if os.path.isdir(path) and not os.path.islink(path)]
 
 
-def newest_saved(directory):
-    """(when, path) of the checkpoint in directory saved last (by its modification time in ns; a
-    sharded one's .metadata's, which a rename never changes), or None if it holds none."""
-    def saved(path):
-        return os.lstat(os.path.join(path, ".metadata") if os.path.isdir(path) else path).st_mtime_ns
-    return max(((saved(path), path) for path in checkpoint_files.list_checkpoints(directory)), default=None)
+def why_kept(earlier, moved):
+    """Why an earlier run stays beside the run a start-over moved aside (earlier, moved: the
+    checkpoints of each, as Saved), or None: a run without a checkpoint never replaces one with,
+    and no run replaces a later checkpoint of its own (a copy of an older one put back in log_dir,
+    a resume of one), whatever the files' times. A checkpoint of another run is older: its run was
+    moved aside before the moved one began."""
+    if earlier and not moved:
+        return "a run without a checkpoint never replaces one with"
+    newest = checkpoint_files.newest_of_each_run(moved)
+    later = [saved for saved in earlier if saved.run in newest and saved.later_than(newest[saved.run])]
+    if later:
+        return (f"it holds {os.path.basename(later[-1].path)}, a later checkpoint of the moved run than its "
+                f"newest, {os.path.basename(newest[later[-1].run].path)}")
+    return None
 
 
-def saved_after(found, other):
-    """Whether found, a newest_saved, is a checkpoint saved after other's (or other is None)."""
-    return found is not None and (other is None or found[0] > other[0])
+def remove_unless_in_use(path):
+    """Removes the earlier run at path, unless a run holds its lock (one resumed or started in
+    that folder), which would die at its next save: then returns why it stays."""
+    try:
+        lock = claim_directory(path, "train_gpt2.py run")
+    except DirectoryInUse as e:
+        return f"a run is training in it (pid {e.holder})"
+    except UnusableLock:  # a .lock that no run can hold (a link, a directory): no run is in it
+        lock = None
+    try:
+        shutil.rmtree(path)
+    finally:
+        if lock:
+            lock.close()
+    return None
 
 
 def check_log_dir(log_dir, resume, init_from, log, enabled):
@@ -160,15 +205,17 @@ def check_run_files(log_dir):
 def check_nothing_passed_over(log_dir, init_from, log):
     """Under --resume auto, which takes the newest checkpoint in log_dir under the trainer's names:
     RunError where one it would pass over is likelier the one meant: in an earlier run (previous_*),
-    one saved after all of log_dir's; where log_dir holds none under those names, one there under
-    another (a copy named ckpt.pt; not init_from). A line names such a one beside the trainer's
-    own, and an earlier run's newest where log_dir holds none."""
-    newest = newest_saved(log_dir)
-    earlier = max(filter(None, map(newest_saved, earlier_runs(log_dir))), default=None)
-    if newest and saved_after(earlier, newest):
-        raise RunError(f"{earlier[1]} was saved after {newest[1]}, the newest checkpoint in {log_dir}, which --resume "
-                       f"auto would take (a start-over cut short?): name the one to resume with --resume PATH")
-    named = checkpoint_files.named_checkpoints(log_dir)
+    a later checkpoint of the same run (Saved.later_than) than the one it takes; where log_dir holds
+    none under those names, one there under another (a copy named ckpt.pt; not init_from). A line
+    names such a one beside the trainer's own, and an earlier run's newest where log_dir holds none."""
+    named = checkpoint_files.saved_checkpoints(log_dir)
+    earlier = [checkpoint_files.saved_checkpoints(path) for path in earlier_runs(log_dir)]
+    later = [saved for checkpoints in earlier for saved in checkpoints if saved.later_than(named[-1])] if named else []
+    if later:
+        newer = checkpoint_files.newest_of_each_run(later)[named[-1].run]
+        raise RunError(f"{newer.path} is a later checkpoint of the run of {named[-1].path}, the newest checkpoint in "
+                       f"{log_dir}, which --resume auto would take (a start-over cut short, a copy put back?): name "
+                       f"the one to resume with --resume PATH")
     unnamed = [path for path in checkpoint_files.unnamed_checkpoints(log_dir) if not same_file(path, init_from)]
     if unnamed and not named:
         raise RunError(f"{unnamed[0]} is a checkpoint under a name that --resume auto does not take (ckpt_XXXXXX.pt, "
@@ -177,9 +224,11 @@ def check_nothing_passed_over(log_dir, init_from, log):
     if unnamed:
         log(f"note: {unnamed[0]} is a checkpoint under a name that --resume auto does not take: "
             f"--resume {unnamed[0]} resumes it")
-    if earlier and not named:
+    with_any = [checkpoints for checkpoints in earlier if checkpoints]
+    if with_any and not named:
+        newest = max(with_any[-1], key=lambda saved: saved.step)
         log(f"note: no checkpoint in {log_dir} to resume; the newest of the earlier run that --resume none moved "
-            f"aside is {earlier[1]}: --resume {earlier[1]} resumes it")
+            f"aside is {newest.path}: --resume {newest.path} resumes it")
 
 
 def same_file(path, other):
@@ -198,11 +247,6 @@ def free_previous_name(log_dir):
     return path
 
 
-def sized(paths):
-    """Each of paths with its size, as "log/previous_20261127-101010 (84.2 MB)"."""
-    return ", ".join(f"{path} ({megabytes(path)})" for path in paths)
-
-
 def megabytes(directory):
     """The size of the files under directory, as "84.2 MB"."""
     size = sum(os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(directory) for name in files)
@@ -213,13 +257,16 @@ class MetricsLog:
     """log.jsonl: one JSON object per event, all with `step` and `tokens`. A run that trains from
     step s keeps the records of steps before s: those of later steps, written after that
     checkpoint by a run that then died, are dropped, so no step is counted twice (keep_before=s;
-    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard)."""
+    None keeps every record). Each record also goes to the mirrors (wandb, TensorBoard). claim:
+    rank 0's LogDirClaim, checked before each write (None where unclaimed)."""
 
-    def __init__(self, log_dir, keep_before, enabled, mirrors=()):
+    def __init__(self, log_dir, keep_before, enabled, mirrors=(), claim=None):
         self.path = os.path.join(log_dir, "log.jsonl")
         self.enabled = enabled
         self.mirrors = mirrors
+        self.claim = claim
         if enabled:  # rewritten even when every record is kept: a half-written last line goes
+            self.check_claim()
             kept = self._records_before(keep_before)
             try:
                 with atomic_open(self.path, "w") as f:
@@ -247,6 +294,7 @@ class MetricsLog:
 
     def write(self, **record):
         if self.enabled:
+            self.check_claim()
             try:
                 with open(self.path, "a", opener=no_follow) as f:
                     f.write(json.dumps(record) + "\n")
@@ -254,6 +302,10 @@ class MetricsLog:
                 print(f"warning: could not append to {self.path}: {e}", file=sys.stderr)
             for mirror in self.mirrors:
                 mirror(record)
+
+    def check_claim(self):
+        if self.claim:
+            self.claim.check()
 
 
 def no_follow(path, flags):

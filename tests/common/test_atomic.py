@@ -1,6 +1,7 @@
 """atomic.py: atomic_open syncs before it renames and replaces only a regular file (never a device,
-a FIFO, a directory or a link, whatever script writes it), check_writable leaves nothing behind, and
-claim_directory keeps one writer per directory, as the scripts use it. Faults that must be one
+a FIFO, a directory or a link, whatever script writes it), check_writable leaves nothing behind, no
+writer's temporary file is anything but its own (a link planted at its name is never written
+through), and claim_directory keeps one writer per directory, as the scripts use it. Faults that must be one
 line: a second trainer on a log_dir or a second fineweb.py on an output_dir is refused, naming
 the first; the kernel frees the lock however the first ends. A .lock that is not a regular file
 we can write (a symlink, a directory, a FIFO, on a read-only file system) is refused and left as
@@ -8,25 +9,30 @@ it was. Shards that are not regular files or shrink under the loader, an export 
 and a second Ctrl-C stop in one line."""
 import builtins
 import errno
+import json
 import os
+import re
 import stat
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 import fineweb
 import train_gpt2
+from gpt2repro.benchmark import step_profile
 from gpt2repro.common import atomic
 from gpt2repro.common.atomic import LOCK_NAME, claim_directory
 from gpt2repro.lm.data import Shard, ShardError, write_shard
+from gpt2repro.runs import checkpoint_files, logdir
 from helpers import REPO
 from helpers.files import DOCS, listdir, write_docs_jsonl
 from helpers.limits import file_size_limit
 from helpers.models import make_tiny_gpt, save_as_checkpoint
 from helpers.processes import exit_message
-from helpers.runs import TINY, error_of
+from helpers.runs import TINY, error_of, train
 
 
 def test_a_second_trainer_on_a_log_dir_is_refused_naming_the_first(tmp_path, capsys):
@@ -213,6 +219,156 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path / "new") == []
     with pytest.raises(IsADirectoryError):
         atomic.check_writable(str(tmp_path / "new"))
+
+
+OUTSIDE = "the user's own file, outside the run\n"
+
+
+def planted(tmp_path, names, link):
+    """At each of names, a link (symbolic or hard) to a file of the user's outside what is written;
+    returns that file."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text(OUTSIDE)
+    for name in names:
+        os.symlink(outside, name) if link == "symbolic" else os.link(outside, name)
+    return outside
+
+
+def old_temporary_names(path):
+    """Where writers wrote before their temporary names were random: beside path, from the pid
+    (atomic_open's and check_writable's; bench.py's trace, which torch writes NAME.tmp of)."""
+    pid = os.getpid()
+    return [f"{path}.tmp{pid}", f"{path}.partial{pid}", f"{path}.partial{pid}.tmp"]
+
+
+def checkpoint(path):
+    return checkpoint_files.save_checkpoint(path, {"step": 2}) and torch.load(path, weights_only=True) == {"step": 2}
+
+
+def token_shard(path):
+    write_shard(path, np.arange(1000))
+    return Shard(path).read(0, 1000).tolist() == list(range(1000))
+
+
+def manifest(path):
+    fineweb.write_manifest(os.path.dirname(path), {"shards": 1})
+    with open(path) as f:
+        return json.load(f) == {"shards": 1}
+
+
+def log_cut_back(path):
+    """A run's start rewrites log.jsonl, without the half line a killed run left."""
+    with open(path, "w") as f:
+        f.write('{"step": 0}\n{"st')
+    logdir.MetricsLog(os.path.dirname(path), keep_before=None, enabled=True)
+    with open(path) as f:
+        return f.read() == '{"step": 0}\n'
+
+
+def json_results(path):
+    """sample.py's, hellaswag.py's, bench.py's --json and checkpoint.py's OUT: checked writable
+    before the work, written after it."""
+    atomic.check_writable(path)
+    with atomic.atomic_open(path, "w") as f:
+        json.dump({"samples": []}, f)
+    with open(path) as f:
+        return json.load(f) == {"samples": []}
+
+
+def trace(path):
+    with torch.profiler.profile() as prof:
+        torch.ones(3).add(1)
+    return step_profile.export_trace(prof, path) is None and os.path.getsize(path) > 0
+
+
+# Each writer that goes through a temporary name, by what it writes: writes path as its script does,
+# and returns whether path then holds what it wrote.
+WRITERS = {"checkpoint": checkpoint, "token shard": token_shard, "fineweb.py's manifest": manifest,
+           "log.jsonl": log_cut_back, "--json": json_results, "bench.py's trace": trace}
+NAMES = {"fineweb.py's manifest": fineweb.MANIFEST, "log.jsonl": "log.jsonl"}  # else any name
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+@pytest.mark.parametrize("writer", WRITERS)
+def test_no_writer_writes_through_a_link_planted_at_its_temporary_name(tmp_path, writer, link):
+    """Links at every name the temporary files once had (from the pid: a shell's `exec` gives its $$
+    to the script) are neither written through nor in the way: the write succeeds, the user's file
+    is as it was, and the links are left as they were."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = str(out / NAMES.get(writer, "output"))
+    names = old_temporary_names(path)
+    outside = planted(tmp_path, names, link)
+    assert WRITERS[writer](path)
+    assert outside.read_text() == OUTSIDE
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(name) for name in [path, *names])
+
+
+def test_a_temporary_name_taken_already_is_passed_over_never_written_through(tmp_path, monkeypatch):
+    """Were the random name guessed and a link planted there first, it is not written through: the
+    writer takes another; and where every try meets one, it writes nothing."""
+    path = tmp_path / "out.json"
+    taken = [f"{path}.tmp-symbolic", f"{path}.tmp-hard"]
+    outside = planted(tmp_path, taken[:1], "symbolic")
+    os.link(outside, taken[1])
+    names = iter([*taken, f"{path}.tmp-free", *taken, f"{path}.tmp-free"])
+    monkeypatch.setattr(atomic, "temporary_path", lambda path: next(names))
+    atomic.check_writable(str(path))
+    with atomic.atomic_open(str(path), "w") as f:
+        f.write("results")
+    assert path.read_text() == "results" and outside.read_text() == OUTSIDE
+    monkeypatch.setattr(atomic, "temporary_path", lambda path: taken[1])
+    with pytest.raises(FileExistsError, match="no free temporary name beside it in 10 tries"):
+        with atomic.atomic_open(str(path), "w") as f:
+            f.write("other results")
+    with pytest.raises(FileExistsError):
+        atomic.check_writable(str(path))
+    assert path.read_text() == "results" and outside.read_text() == OUTSIDE
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.json", "outside.txt", *(os.path.basename(t) for t in taken)])
+
+
+def test_temporary_names_are_random_and_those_of_killed_saves_are_tidied_away(tmp_path):
+    path = str(tmp_path / "ckpt_000002.pt")
+    names = {atomic.temporary_path(path) for _ in range(1000)}
+    assert len(names) == 1000 and all(re.fullmatch(rf"{re.escape(path)}\.tmp[0-9a-f]{{16}}", name) for name in names)
+    tmp, fd = atomic.create_temporary(path)  # as a save killed mid-write leaves it
+    os.close(fd)
+    checkpoint_files.remove_unfinished(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_sample_json_is_not_written_through_a_link_planted_at_the_shells_pid(tmp_path):
+    """As the issue's attacker did: bash -c 'ln -s OUTSIDE out.json.tmp$$; exec python sample.py ...'."""
+    checkpoint = save_as_checkpoint(make_tiny_gpt(), tmp_path / "tiny.pt")
+    outside = planted(tmp_path, [], "symbolic")
+    script = (f"ln -s {outside} out.json.tmp$$ && exec {sys.executable} {REPO}/sample.py --model {checkpoint} "
+              f"--device cpu --max_new_tokens 5 --num_return_sequences 1 --json out.json")
+    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert outside.read_text() == OUTSIDE and len(json.loads((tmp_path / "out.json").read_text())["results"]) == 1
+
+
+@pytest.mark.slow
+def test_the_trainers_log_and_checkpoints_are_not_written_through_hard_links_planted_at_their_pid(shards, tmp_path,
+                                                                                                  monkeypatch):
+    """Hard links at log.jsonl.tmp<pid> (before the run: its start cuts the log back) and at
+    ckpt_000002.pt.tmp<pid> (once under way: its start removes what killed saves left): the user's
+    files never become the run's log or checkpoint."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    outside = planted(tmp_path, [f"{log_dir / 'log.jsonl'}.tmp{os.getpid()}"], "hard")
+    real_log_step = train_gpt2.log_step
+
+    def log_step(run, step, *args):
+        real_log_step(run, step, *args)
+        if step == 1:
+            os.link(outside, f"{log_dir / 'ckpt_000002.pt'}.tmp{os.getpid()}")
+    monkeypatch.setattr(train_gpt2, "log_step", log_step)
+    records = train(shards, log_dir, "--total_batch_size", "256", "-B", "8", "--max_steps", "2")
+    assert [r["step"] for r in records] == [0, 1] and outside.read_text() == OUTSIDE
+    assert checkpoint_files.list_checkpoints(str(log_dir)) == [str(log_dir / "ckpt_000002.pt")]
 
 
 def not_a_regular_file(tmp_path, kind):

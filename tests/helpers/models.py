@@ -64,11 +64,12 @@ def parts_of(model, optimizer, scaler, loader):
 
 
 def as_checkpoint(parts, step, flags):
-    """What a one-file checkpoint of parts at step holds, with flags (TrainConfig.flags()) as its record."""
+    """What a one-file checkpoint of parts at step holds, of a run of its own, with flags
+    (TrainConfig.flags()) as its record."""
     from gpt2repro.runs.checkpoint import checkpoint_record
-    from gpt2repro.runs.checkpoint_files import checkpoint_contents
+    from gpt2repro.runs.checkpoint_files import checkpoint_contents, new_run_identity
 
-    return checkpoint_contents(parts, checkpoint_record(parts, step, flags))
+    return checkpoint_contents(parts, checkpoint_record(parts, step, flags, new_run_identity()))
 
 
 class FixedBatches:

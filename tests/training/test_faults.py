@@ -751,6 +751,7 @@ def test_log_lines_that_are_not_records_are_skipped_and_a_log_that_is_a_director
     ("config", "gpt2", "not a checkpoint of this project (its config is 'gpt2', not a dict of values)"),
     ("config", dict(TINY_CONFIG, n_head=0, dropout=0.0, bias=True), "holds a model of another architecture: n_head 0"),
     ("step", "3", "its step is '3', not a step number"),
+    ("run", 7, "not a checkpoint of this project (its run is 7, not a run's identity)"),
     ("model", [1], "not a checkpoint of this project (its model is a list, not a state dict)"),
     ("optimizer", {}, "its optimizer cannot be restored"),
     ("train_loader", {}, "its train_loader cannot be restored"),
