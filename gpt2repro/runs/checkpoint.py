@@ -11,6 +11,7 @@ order: the Checkpointer that decides when a run saves, saves and restores; the p
 checkpoint restores them, once its record is found to fit the run. The root's checkpoint.py
 converts a sharded checkpoint into one file.
 """
+import math
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -185,6 +186,21 @@ def non_finite_weights(model):
         if not whole.isfinite().all():
             return f"{name} holds NaN or infinite values{padding_only(model, name, whole)}"
     return None
+
+
+def overflow_cause(model):
+    """What in model's weights (a GPT, sharded or not, on every rank at once) makes a forward pass
+    over token ids it has rows for give NaN or infinity: the first weight that is not finite, or
+    else the one of the largest magnitude, with that magnitude."""
+    problem = non_finite_weights(model)
+    if problem:
+        return problem
+    sizes = {}
+    for name, tensor in model.state_dict().items():
+        size = torch.linalg.vector_norm(tensor.detach(), math.inf)  # the largest element's magnitude
+        sizes[name] = (size.full_tensor() if isinstance(size, DTensor) else size).item()
+    name = max(sizes, key=sizes.get)
+    return f"its largest weight, in {name}, is {sizes[name]:.3g}"
 
 
 def padding_only(model, name, tensor):
