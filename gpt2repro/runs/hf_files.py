@@ -11,7 +11,8 @@ import torch
 from gpt2repro.common.inputs import brief, parse_json, read_text
 
 # Where a directory (or hub repository) keeps its weights, in transformers' order of preference.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 MAX_INDEX_CHARS = 1 << 24  # an index names each weight's file: GPT-2 XL's ~600 names take ~40K characters
 # safetensors' names of the dtypes a weight may have; any other (BOOL, I8, ...) is declared as its name.
 SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
