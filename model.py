@@ -320,7 +320,7 @@ class GPT(nn.Module):
         dropout is the caller's (a fine-tune's --dropout), never the directory's pdrops."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        from gpt2repro.runs.hf_files import declared_weights
+        from gpt2repro.lm.hf_files import declared_weights
 
         hf = GPT2Config.from_pretrained(name_or_path, local_files_only=local_files_only)  # checked before any weight is read
         # The config fields that change the maths, with the values at which it is GPT-2's: the
