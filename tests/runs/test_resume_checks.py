@@ -10,11 +10,12 @@ import shutil
 import pytest
 import torch
 
-from gpt2repro.runs import checkpoint_files
+from gpt2repro.runs import checkpoint, checkpoint_files
 from helpers import REPO
 from helpers.files import WritesAFile, write_token_shards
 from helpers.processes import run_torchrun, said_errors
-from helpers.runs import TINY, assert_same_run, error_of, final_weights, train, train_records
+from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train, train_records
+from model import GPT, GPTConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--checkpoint_interval", "4"]
 N_PARAMS = 28  # the tiny GPT's parameters: AdamW numbers them 0 to 27
@@ -40,8 +41,7 @@ def crafted(run, tmp_path, edit):
 def resume_error(shards, tmp_path, capsys, ckpt, *flags):
     """The one line with which a resume from ckpt stops, having trained nothing."""
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *RUN, "--resume", ckpt, *flags)
-    assert not os.path.exists(tmp_path / "resumed" / "log.jsonl") or not train_records(
-        [line for line in open(tmp_path / "resumed" / "log.jsonl")])
+    assert not os.path.exists(tmp_path / "resumed" / "log.jsonl") or not train_records(read_log(tmp_path / "resumed"))
     return message
 
 
@@ -258,10 +258,6 @@ def test_a_genuine_checkpoint_resumes_exactly_also_past_a_skipped_step(shards, t
 def test_a_sharded_checkpoint_whose_head_is_not_its_embedding_is_refused(tmp_path):
     """Read into the one tensor the head and the embedding share, one would overwrite the other
     unseen: each entry is read apart, and the two compared."""
-    from gpt2repro.runs import checkpoint
-    from model import GPT, GPTConfig
-    from helpers.runs import TINY_CONFIG
-
     saved = GPT(GPTConfig(**TINY_CONFIG))
     saved.lm_head.weight = torch.nn.Parameter(saved.transformer.wte.weight.detach() + 1)  # untied, to save apart
     parts = {"model": checkpoint.ModelPart(saved)}
