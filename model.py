@@ -2,8 +2,9 @@
 equal to Hugging Face's GPT2LMHeadModel so weights move between the two freely.
 """
 import inspect
+import re
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -72,6 +73,37 @@ def hf_layout(key, tensor):
     """The parameter key's tensor in the other one's layout, Hugging Face's or this model's: a
     transpose is its own inverse."""
     return tensor.t() if key.endswith(HF_TRANSPOSED) else tensor
+
+
+def hf_weights_problem(config, declared):
+    """Why declared ({name: (shape, dtype)}, the weights a Hugging Face GPT-2's files declare:
+    hf_files.declared_weights) are not those of a GPT of config, or None: the blocks 0 to n_layer - 1
+    and no others, each weight there and of its shape in Hugging Face's layout, of a float dtype (a
+    bool or int8 one would load as whole numbers); the head may be left out (tied). Asked before
+    anything is built: a config.json of n_layer 1,000,000 beside 2 blocks would build a million."""
+    with torch.device("meta"):  # shapes alone: one block's weights are every block's
+        template = GPT(replace(config, n_layer=1)).state_dict()
+    found = {}
+    for name, (shape, dtype) in declared.items():
+        if not name.endswith((".attn.bias", ".attn.masked_bias")):  # older transformers' mask buffers
+            found[name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"] = shape, dtype
+    blocks = {int(match.group(1)) for key in found if (match := re.match(r"transformer\.h\.(\d+)\.", key))}
+    if blocks != set(range(config.n_layer)):
+        held = f"blocks 0 to {max(blocks)}" if blocks == set(range(len(blocks))) else f"{len(blocks):,} blocks"
+        return f"config.json's n_layer is {config.n_layer:,}, but its weights hold {held if blocks else 'no block'}"
+    for key, (shape, dtype) in found.items():
+        like = re.sub(r"^transformer\.h\.\d+\.", "transformer.h.0.", key)
+        if like not in template:
+            return f"parameter {key} is unexpected"
+        expected = tuple(hf_layout(like, template[like]).shape)
+        if shape != expected:
+            return f"{key} has shape {shape}, expected {expected} (config.json's)"
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            return f"{key} is stored as {dtype}, not a float dtype"
+    missing = next((key.replace(".h.0.", f".h.{i}.") for key in template if key != "lm_head.weight"
+                    for i in (range(config.n_layer) if ".h.0." in key else [0])
+                    if key.replace(".h.0.", f".h.{i}.") not in found), None)
+    return f"parameter {missing} is missing" if missing else None
 
 
 def padding_mask(n_pad, start, T):
@@ -288,6 +320,8 @@ class GPT(nn.Module):
         dropout is the caller's (a fine-tune's --dropout), never the directory's pdrops."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
+        from gpt2repro.lm.hf_files import declared_weights
+
         hf = GPT2Config.from_pretrained(name_or_path, local_files_only=local_files_only)  # checked before any weight is read
         # The config fields that change the maths, with the values at which it is GPT-2's: the
         # weights alone would load into a model that computes something else. (A field that adds
@@ -306,6 +340,10 @@ class GPT(nn.Module):
                                n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, dropout=dropout)
         except ValueError as e:
             raise ValueError(f"config.json: {e}") from None
+        found = declared_weights(name_or_path, local_files_only)
+        problem = found and hf_weights_problem(config, found[1])
+        if problem:
+            raise ValueError(f"{found[0]}: {problem}")
         hf_model = GPT2LMHeadModel.from_pretrained(name_or_path, local_files_only=local_files_only)
         model = cls(config, **options)
         model.load_hf_state_dict(hf_model.state_dict(), source=name_or_path)

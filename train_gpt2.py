@@ -35,7 +35,7 @@ from gpt2repro.lm.data import ShardError, ShardLoader, list_shards
 from gpt2repro.lm.loss import pick_loss
 from gpt2repro.lm.tokenizer import gpt2_vocab_problem
 from gpt2repro.runs import logdir
-from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, training_parts
+from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, overflow_cause, training_parts
 from gpt2repro.runs.checkpoint_files import list_checkpoints
 from gpt2repro.runs.loading import check_run_sources, load_model, replaced_settings
 from gpt2repro.runs.logdir import LogDirLost, MetricsLog
@@ -387,9 +387,9 @@ def evaluate(run, step, stop_requested):
     val_loss = None
     if run.val_loader is not None:
         val_loss = estimate_val_loss(run.trainable, run.val_loader, run.evaluation.val_steps, stop_requested)
-        if not math.isfinite(val_loss):  # never a result: the weights or the val shards are broken
-            raise RunError(f"the val loss at step {step} is {val_loss}: check the val shards "
-                           f"({', '.join(shard.path for shard in run.val_loader.shards)})")
+        if not math.isfinite(val_loss):  # the val loader checked every id it read: the weights overflow
+            raise RunError(f"the val loss at step {step} is {val_loss} on val tokens whose ids were each checked: "
+                           f"the model's forward pass overflows ({overflow_cause(run.trainable.raw_model)})")
         run.log(f"step {step:5d} | val loss {val_loss:.4f}")
         run.metrics.write(step=step, tokens=tokens, val_loss=val_loss)
     if run.hellaswag_examples:

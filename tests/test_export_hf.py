@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, GPT2TokenizerFast, pipe
 
 import export_hf
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
+from gpt2repro.runs.dcp_reader import CheckpointError
 from gpt2repro.runs.loading import load_model
 from helpers import REPO
 from helpers.models import make_hf_gpt2, make_tiny_gpt, save_as_checkpoint
@@ -187,7 +188,17 @@ RANDOM_BYTES_SEED = {"random pytorch_model.bin": 0, "random pytorch_model.bin, I
 def damage(directory, kind):
     """Damages a saved Hugging Face GPT-2 directory as a failed download, a bad disk or an attacker would."""
     weights = directory / "model.safetensors"
-    if kind == "truncated safetensors":
+    if kind.startswith("wpe stored as"):  # transformers would load it as 0s and 1s, or whole numbers
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(weights)
+        dtype = torch.bool if kind.endswith("BOOL") else torch.int8
+        tensors["transformer.wpe.weight"] = (10 * tensors["transformer.wpe.weight"]).to(dtype)
+        if "pytorch_model.bin" in kind:
+            weights.unlink()
+            torch.save(tensors, directory / "pytorch_model.bin")
+        else:
+            save_file(tensors, weights, metadata={"format": "pt"})
+    elif kind == "truncated safetensors":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif "pytorch_model.bin" in kind:
         weights.unlink()
@@ -218,6 +229,12 @@ def damage(directory, kind):
     ("malicious pytorch_model.bin", "{dir}/pytorch_model.bin: refused: not plain tensors"),
     ("n_head 0", "cannot load {dir}: config.json: n_head must be a positive integer, not 0"),
     ("a NaN weight", "{dir}: transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"),
+    ("wpe stored as BOOL", "cannot load {dir}: {dir}/model.safetensors: transformer.wpe.weight is stored as BOOL, "
+                           "not a float dtype"),
+    ("wpe stored as I8", "cannot load {dir}: {dir}/model.safetensors: transformer.wpe.weight is stored as I8, "
+                         "not a float dtype"),
+    ("wpe stored as I8 in pytorch_model.bin", "cannot load {dir}: {dir}/pytorch_model.bin: transformer.wpe.weight is "
+                                              "stored as torch.int8, not a float dtype"),
 ])
 def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_dir, tmp_path, capsys, kind, expected):
     import hellaswag
@@ -233,6 +250,29 @@ def test_a_damaged_hugging_face_directory_is_one_line_in_every_script(hf_gpt2_di
         message = exit_message(capsys, script.main, *argv, *(["--device", "cpu"] if script is not export_hf else []))
         assert expected in message, (script.__name__, message)
     assert not (directory / "ran").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("n_layer, held", [(1_000_000, "blocks 0 to 1"), (3, "blocks 0 to 1"), (1, "blocks 0 to 1")])
+def test_a_config_that_does_not_fit_the_weights_is_one_line_before_anything_is_built(hf_gpt2_dir, tmp_path, n_layer,
+                                                                                    held):
+    """config.json's n_layer of 1,000,000 beside 2 blocks' weights: transformers would build a
+    million blocks (200 s of silence) before it found out; a sample.py bounded to 60 s and 2 GiB
+    says so in one line."""
+    from helpers.processes import one_line_error, run_bounded
+
+    directory = tmp_path / "hf"
+    shutil.copytree(hf_gpt2_dir[1], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "n_layer": n_layer}))
+    expected = (f"cannot load {directory}: {directory / 'model.safetensors'}: config.json's n_layer is {n_layer:,}, "
+                f"but its weights hold {held}")
+    if n_layer == 1_000_000:
+        message = one_line_error(run_bounded("sample.py", "--model", directory, "--device", "cpu"))
+        assert message == f"sample.py: error: {expected}"
+    else:
+        with pytest.raises(CheckpointError) as e:
+            load_model(str(directory))
+        assert str(e.value) == expected
 
 
 def test_the_export_writes_the_models_dropout_as_gpt2s_three_pdrops(tmp_path):

@@ -379,11 +379,18 @@ def test_resume_across_precisions_and_gpu_counts(shards, tmp_path, monkeypatch):
     assert step == 3 and len(restored) == 1 and torch.equal(restored[0], state["rng"][0]["cuda"][0])
 
 
-def test_a_val_loss_that_is_not_finite_stops_the_run_naming_the_val_shards(shards, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train_gpt2, "estimate_val_loss", lambda *args: float("nan"))
-    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path, "--eval_interval", "1", "--max_steps", "1")
-    assert message.startswith("error: the val loss at step 0 is nan: check the val shards (") and \
-        os.path.join(shards, "tiny_val_000000.npy") in message, message
+def test_a_val_loss_that_is_not_finite_names_the_weight_that_overflows_not_the_val_shards(shards, tmp_path, capsys):
+    """A checkpoint whose weight of 3e38 (finite) blows the forward pass up: the val loader has
+    checked every id it read, so the line names the weight, not the val shards."""
+    run = ["--total_batch_size", "256", "-B", "8", "--eval_interval", "2", "--val_steps", "1"]
+    train(shards, tmp_path / "run", *run, "--max_steps", "2")
+    state = load_checkpoint(str(tmp_path / "run" / "ckpt_000002.pt")).state
+    state["model"]["transformer.h.0.mlp.c_fc.weight"][5, 7] = 3e38
+    torch.save(state, tmp_path / "blown.pt")
+    message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "resumed", *run, "--max_steps", "4",
+                       "--resume", tmp_path / "blown.pt")
+    assert message == ("error: the val loss at step 2 is nan on val tokens whose ids were each checked: the model's "
+                       "forward pass overflows (its largest weight, in transformer.h.0.mlp.c_fc.weight, is 3e+38)")
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ A shard is a 1-D uint16 numpy array in a .npy file (np.save's format) named
 is `val`, every later one `train`. fineweb.py writes them; train_gpt2.py reads them.
 """
 import glob
+import hashlib
 import os
 import re
+from functools import cached_property
 
 import numpy as np
 
@@ -19,6 +21,7 @@ TINY_SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare.txt")  # the demo
 SHARD_DTYPE = np.dtype("<u2")  # uint16: GPT-2's 50257 ids fit, at two bytes a token
 SPLITS = ("train", "val")
 MAX_EPOCH = 1 << 63  # a loader's epoch counts up from 0: past a 64-bit count is no run's, but a crafted file's
+SAMPLE_TOKENS = 1 << 16  # of a shard, the quick id check and its fingerprint read the first, middle and last this many
 
 
 class ShardError(ValueError):
@@ -113,13 +116,24 @@ class Shard:
         """Raises ShardError naming the shard if an id is not one a model of vocab_size trains on
         (see check_ids). The quick check reads the first, middle and last 64K tokens; full=True
         reads every token."""
-        chunk = 1 << 24 if full else 1 << 16
-        if full:
-            starts = range(0, self.n_tokens, chunk)
-        else:
-            starts = sorted({0, max(0, self.n_tokens // 2 - chunk // 2), max(0, self.n_tokens - chunk)})
-        for start in starts:
+        chunk = 1 << 24 if full else SAMPLE_TOKENS
+        for start in range(0, self.n_tokens, chunk) if full else self.sample_starts():
             check_ids(self.path, self.read(start, min(chunk, self.n_tokens - start)), start, vocab_size)
+
+    def sample_starts(self):
+        """Where the quick check's reads of SAMPLE_TOKENS start: the first, middle and last."""
+        chunk = SAMPLE_TOKENS
+        return sorted({0, max(0, self.n_tokens // 2 - chunk // 2), max(0, self.n_tokens - chunk)})
+
+    def fingerprint(self):
+        """The SHA-256 of the tokens the quick check reads, which tells this shard from another of
+        its size (another cut of the corpus, another corpus, a shard swapped for its neighbour) at
+        the cost of that check, all but free once it has run (the reads are cached): an edit
+        between the samples passes."""
+        digest = hashlib.sha256()
+        for start in self.sample_starts():
+            digest.update(self.read(start, min(SAMPLE_TOKENS, self.n_tokens - start)).tobytes())
+        return digest.hexdigest()
 
 
 def check_ids(path, tokens, start, vocab_size):
@@ -252,6 +266,59 @@ class ShardLoader:
             return (f"its index is {brief(index)}, of {tokens:,} tokens each: a position outside this run's shards "
                     f"({self.n_tokens:,} tokens)")
         return None
+
+    @cached_property
+    def identity(self):
+        """What tells these shards, in their order, from others under the same names: each one's
+        size in tokens and fingerprint (Shard.fingerprint). A checkpoint records it beside the
+        position, which means something of these shards alone."""
+        return {"tokens": [int(shard.n_tokens) for shard in self.shards],
+                "sha256": [shard.fingerprint() for shard in self.shards]}
+
+    def identity_problem(self, saved):
+        """Why saved, the identity of the shards a run read, is not these shards', or None, naming
+        the first shard that differs and, where it holds the tokens of another of those, which."""
+        if not (isinstance(saved, dict) and isinstance(saved.get("tokens"), list)
+                and isinstance(saved.get("sha256"), list) and len(saved["tokens"]) == len(saved["sha256"])):
+            return f"its record of the shards it read is {brief(saved)}, not each one's tokens and SHA-256"
+        ours, n = self.identity, len(saved["tokens"])
+        if n != len(self.shards):
+            return (f"it read {n:,} train shards, this run's are {len(self.shards):,} ({self.shards[0].path}, ...): "
+                    f"resume it on the shards it trained on")
+        for k, shard in enumerate(self.shards):
+            if ours["tokens"][k] == saved["tokens"][k] and ours["sha256"][k] == saved["sha256"][k]:
+                continue
+            read_there = f"the shard it read as train shard {k + 1} of {n}"
+            if ours["sha256"][k] in saved["sha256"]:
+                other = saved["sha256"].index(ours["sha256"][k]) + 1
+                what = f"holds what it read as train shard {other}, not {read_there}"
+            elif ours["tokens"][k] != saved["tokens"][k]:
+                what = f"holds {ours['tokens'][k]:,} tokens, {read_there} held {brief(saved['tokens'][k])}"
+            else:
+                what = f"holds other tokens than {read_there} (another SHA-256 of its sampled tokens)"
+            return f"{shard.path} {what}: resume it on the shards it trained on"
+        return None
+
+    def step_problem(self, state, steps, tokens_per_step, seq_len):
+        """Why state (a position that position_problem passes) is not one that a run of steps
+        steps of tokens_per_step tokens, in micro-batches of sequences of seq_len, leaves this
+        loader at, or None. Its tokens_per_index is a whole number of sequences that divides a
+        step, its index 1 or more (a step reads at least one micro-batch past the epoch's start),
+        and its epoch and index account for the steps' tokens: exactly so where the micro-batch
+        never changed (epochs of batches_per_epoch calls); where it did (an elastic resume, -B
+        auto halving it), an epoch read from n_tokens - tokens_per_step (or half of n_tokens)
+        to n_tokens - 1 tokens, and the index counts at most the tokens read since."""
+        epoch, index, tokens = state["epoch"], state["index"], state["tokens_per_index"]
+        if tokens % seq_len or tokens_per_step % tokens:
+            return (f"its tokens_per_index is {tokens:,}: not a number of sequences of {seq_len} tokens (-T) that "
+                    f"divides the {tokens_per_step:,} tokens of its run's step (--total_batch_size)")
+        read, n = steps * tokens_per_step, self.n_tokens
+        shortest_epoch = max(n - tokens_per_step, (n - 1) // 2 + 1)
+        if index >= 1 and epoch * shortest_epoch + index * tokens <= read <= (epoch + 1) * (n - 1):
+            return None
+        return (f"its position, epoch {epoch:,} and index {index:,} of {tokens:,} tokens, is not where {steps:,} "
+                f"steps of {tokens_per_step:,} tokens ({read:,}, {read / (n - 1):.3g} passes over these shards' "
+                f"{n:,}) leave it")
 
     def load_state_dict(self, state):
         """Continues where state left off. Saved under another world size or batch shape (an

@@ -11,8 +11,11 @@ ranks. This file reads in that order: the Checkpointer that decides when a run s
 restores; the parts; how a checkpoint restores them, once its record is found to fit the run. The
 root's checkpoint.py converts a sharded checkpoint into one file.
 """
+import math
+import os
 from dataclasses import asdict, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,8 @@ from gpt2repro.runs.checkpoint_files import (Unrestorable, check_no_later_checkp
                                              find_resume, latest_checkpoint, new_run_identity, prune_checkpoints,
                                              restoring, save_error, save_one_file, save_sharded, warn_unwritten)
 from gpt2repro.runs.dcp_reader import CheckpointError, UnreadableStorage
-from gpt2repro.runs.optimizer_state import (keyed_by_name, load_optimizer_state, optimizer_state_problem,
-                                            saved_optimizer_problem, with_run_settings)
+from gpt2repro.runs.optimizer_state import (keyed_by_name, load_optimizer_state, number_in, optimizer_state_problem,
+                                            saved_optimizer_problem, with_run_settings, with_tensors_of_their_own)
 from gpt2repro.training.optimizers import OPTIMIZERS, optimizer_name, torch_optimizers
 from model import GPT, GPTConfig
 
@@ -110,7 +113,7 @@ class Checkpointer:
                 return 0
             path, state = found
             try:
-                step = restore_parts(found, self.parts, self.log)
+                step = restore_parts(found, self.parts, self.log, flags)
                 break
             except UnreadableStorage as e:
                 if resume != "auto":
@@ -160,8 +163,9 @@ def run_identity(state):
 
 class ModelPart:
     """The weights of raw_model, the plain GPT (FSDP-sharded or not): state_dict() with plain GPT
-    keys, whole, as one file holds them; either form loads into a model sharded or not, and is
-    then checked on every rank, as the scripts check a model they load (non_finite_weights)."""
+    keys, whole, as one file holds them; either form is checked before it loads (saved_weights_problem,
+    on each rank's slices of a sharded one), loads into a model sharded or not, and is then checked
+    on every rank, as the scripts check a model they load (non_finite_weights)."""
 
     def __init__(self, raw_model):
         self.raw_model = raw_model
@@ -175,6 +179,7 @@ class ModelPart:
         return self.raw_model.state_dict()
 
     def load_state_dict(self, saved):
+        refuse_on_every_rank(saved_weights_problem(saved))
         if isinstance(self.raw_model, FSDPModule):  # every rank has read all of it, and keeps its own slices
             set_model_state_dict(self.raw_model, saved, options=StateDictOptions(full_state_dict=True))
         else:
@@ -185,6 +190,7 @@ class ModelPart:
         return get_model_state_dict(self.raw_model)
 
     def load_dcp_state_dict(self, loaded):
+        refuse_on_every_rank(saved_weights_problem(loaded))
         set_model_state_dict(self.raw_model, loaded)
         self.check()
 
@@ -193,6 +199,30 @@ class ModelPart:
         later, at a save or an evaluation, blaming neither the checkpoint nor the weight."""
         if not all(every_rank(self.finite())):
             raise Unrestorable(non_finite_weights(self.raw_model))
+
+
+def refuse_on_every_rank(problem):
+    """Unrestorable, on every rank, for the first rank's problem where any has one."""
+    problems = [p for p in every_rank(problem) if p]
+    if problems:
+        raise Unrestorable(problems[0])
+
+
+def saved_weights_problem(saved):
+    """Why saved, a GPT's state dict as a checkpoint holds it (of a sharded one, this rank's slices
+    as read), holds weights that loading would cast or drop rather than refuse, or None: each of a
+    float dtype (a bool or integer one would load as whole numbers), and the head, tied to the
+    token embedding, equal to it (loaded into the one tensor they share, it would overwrite the
+    embedding). Their shapes loading checks."""
+    saved = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in saved.items()}
+    for name, tensor in saved.items():
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            return f"{name} is {tensor.dtype}, not a float dtype"
+    head, embedding = saved.get("lm_head.weight"), saved.get("transformer.wte.weight")
+    if isinstance(head, torch.Tensor) and isinstance(embedding, torch.Tensor) and not (
+            head.shape == embedding.shape and torch.allclose(head, embedding, rtol=0, atol=0, equal_nan=True)):
+        return "lm_head.weight differs from transformer.wte.weight, which GPT-2's head is (one tensor, tied)"
+    return None
 
 
 def non_finite_weights(model):
@@ -204,6 +234,21 @@ def non_finite_weights(model):
         if not whole.isfinite().all():
             return f"{name} holds NaN or infinite values{padding_only(model, name, whole)}"
     return None
+
+
+def overflow_cause(model):
+    """What in model's weights (a GPT, sharded or not, on every rank at once) makes a forward pass
+    over token ids it has rows for give NaN or infinity: the first weight that is not finite, or
+    else the one of the largest magnitude, with that magnitude."""
+    problem = non_finite_weights(model)
+    if problem:
+        return problem
+    sizes = {}
+    for name, tensor in model.state_dict().items():
+        size = torch.linalg.vector_norm(tensor.detach(), math.inf)  # the largest element's magnitude
+        sizes[name] = (size.full_tensor() if isinstance(size, DTensor) else size).item()
+    name = max(sizes, key=sizes.get)
+    return f"its largest weight, in {name}, is {sizes[name]:.3g}"
 
 
 def padding_only(model, name, tensor):
@@ -218,11 +263,17 @@ def padding_only(model, name, tensor):
 class OptimizerPart:
     """What the optimizer learned (AdamW's moments, Muon's momentum buffers, the step counts),
     restored under this run's settings (optimizer_state.py: load_optimizer_state), then checked on
-    every rank before any steps (optimizer_state_problem). state_dict() is keyed by each parameter's place in its
-    optimizer, a MuonAdamW's as {"adamw": ..., "muon": ...}, as one file holds it."""
+    every rank before any steps (optimizer_state_problem), against the run that saved it where
+    expect gave it. state_dict() is keyed by each parameter's place in its optimizer, a MuonAdamW's
+    as {"adamw": ..., "muon": ...}, as one file holds it."""
 
     def __init__(self, raw_model, optimizer):
         self.raw_model, self.optimizer = raw_model, optimizer
+        self.run = None  # the SavedRun of the checkpoint being restored
+
+    def expect(self, run):
+        """The next state loaded is of run (a SavedRun): its step counts and moments are checked against it."""
+        self.run = run
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -231,6 +282,7 @@ class OptimizerPart:
         problem = saved_optimizer_problem(self.raw_model, self.optimizer, saved)
         if problem:
             raise Unrestorable(problem)
+        saved = with_tensors_of_their_own(self.optimizer, saved)
         if isinstance(self.raw_model, FSDPModule):
             set_optimizer_state_dict(self.raw_model, torch_optimizers(self.optimizer),
                                      keyed_by_name(self.raw_model, self.optimizer, saved),
@@ -249,9 +301,7 @@ class OptimizerPart:
 
     def check(self):
         """Every rank stops alike: a rank that trained on would wait for the others forever."""
-        problems = [p for p in every_rank(optimizer_state_problem(self.raw_model, self.optimizer)) if p]
-        if problems:
-            raise Unrestorable(problems[0])
+        refuse_on_every_rank(optimizer_state_problem(self.raw_model, self.optimizer, self.run))
 
 
 class ScalerPart:
@@ -271,24 +321,45 @@ class ScalerPart:
 
 class LoaderPart:
     """The train loader's position (data.ShardLoader), carried over by tokens read where the saved
-    run read other micro-batches (another -B, -B auto on another GPU, another number of ranks)."""
+    run read other micro-batches (another -B, -B auto on another GPU, another number of ranks),
+    beside what identifies the shards it read (ShardLoader.identity): a resume reads on only from
+    the same shards, at a position that the saved run's steps reach (expect gives that run)."""
 
     def __init__(self, loader):
         self.loader = loader
+        self.run = None  # the SavedRun of the checkpoint being restored
+
+    def expect(self, run):
+        """The next position loaded is of run (a SavedRun): it must be one that run's steps reach."""
+        self.run = run
 
     def state_dict(self):
-        return self.loader.state_dict()
+        return {**self.loader.state_dict(), "shards": self.loader.identity}
 
     def load_state_dict(self, saved):
-        problem = self.loader.position_problem(saved)
-        if problem:
-            raise Unrestorable(problem)
+        refuse_on_every_rank(self.saved_problem(saved))  # each rank's copy of the shards checked
         self.loader.load_state_dict(saved)
+        notes = []
+        if "shards" not in saved:
+            notes.append(f"records no identity of the train shards it read (saved before that record): resuming "
+                         f"on those of {os.path.dirname(self.loader.shards[0].path)} unchecked")
         if saved["tokens_per_index"] != self.loader.tokens_per_index:
-            return (f"was saved by a run of micro-batches of {saved['tokens_per_index']:,} tokens over all "
-                    f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer step, "
-                    f"in other micro-steps")
-        return None
+            notes.append(f"was saved by a run of micro-batches of {saved['tokens_per_index']:,} tokens over all "
+                         f"ranks, this run's are {self.loader.tokens_per_index:,}: the same tokens per optimizer "
+                         f"step, in other micro-steps")
+        return "; it ".join(notes) or None
+
+    def saved_problem(self, saved):
+        """Why saved cannot be this loader's position, or None: a position of these shards
+        (position_problem) that are the shards the saved run read (identity_problem; a checkpoint
+        from before that record has none), and one that the expected run's steps reach (step_problem)."""
+        problem = self.loader.position_problem(saved)
+        if problem is None and "shards" in saved:
+            problem = self.loader.identity_problem(saved["shards"])
+        run = self.run
+        if problem is None and run is not None and run.tokens_per_step and run.seq_len:
+            problem = self.loader.step_problem(saved, run.step, run.tokens_per_step, run.seq_len)
+        return problem
 
 
 class RandomStates:
@@ -329,9 +400,7 @@ def restore_random_state(saved, dropout):
                 torch.cuda.set_rng_state_all(states[rank]["cuda"][: torch.cuda.device_count()])
         except (TypeError, ValueError, RuntimeError) as e:
             problem = f"rank {rank}'s state: {first_line(e)}"
-    problems = [p for p in every_rank(problem) if p]
-    if problems:
-        raise Unrestorable(problems[0])
+    refuse_on_every_rank(problem)
     if len(states) != ranks and dropout:
         return (f"holds the random state of {len(states)} rank(s), this run has {ranks}: the weights, optimizer "
                 f"and data resume as saved, but dropout's masks are drawn afresh, so the losses from here are not "
@@ -363,14 +432,48 @@ def random_states_problem(states):
 
 # ----------------------------------------------------------------------------- restoring them
 
-def restore_parts(checkpoint, parts, log=print):
+def restore_parts(checkpoint, parts, log=print, flags=None):
     """Puts every part back as checkpoint (a Checkpoint, as load_checkpoint reads one) saved it,
     from either format into a model sharded or not, once its record is found to fit this run
-    (check_resumable); logs each part's note on it, and returns its step."""
+    (check_resumable); each part that checks its state against the run that saved it (expect) is
+    given that run (SavedRun: of the record, or for a flag it lacks this run's flags, TrainConfig.flags(),
+    if given). Logs each part's note on it, and returns its step."""
     step = check_resumable(checkpoint, parts, log)
+    run = saved_run(checkpoint.path, checkpoint.state, flags or {})
+    for part in parts.values():
+        if hasattr(part, "expect"):
+            part.expect(run)
     for note in load_parts(checkpoint, parts):
         log(f"note: {checkpoint.path} {note}")
     return step
+
+
+class SavedRun(NamedTuple):
+    """What a checkpoint's record says of the run that saved it, against which its parts' states
+    are checked: where that run was (its step) and the flags that decide what its steps did. A
+    step reads tokens_per_step tokens (--total_batch_size) in micro-batches of sequences of
+    seq_len (-T), and its gradient is clipped to a norm of grad_clip: the larger of its recorded
+    --grad_clip and this run's (0 where either is 0, unclipped), so that a run which lowered the
+    flag on resume, whose moments keep the larger clip's gradients for a while, resumes under it."""
+    step: int
+    tokens_per_step: int | None  # None: neither the record nor this run says
+    seq_len: int | None
+    grad_clip: float
+
+
+def saved_run(path, state, flags):
+    """The SavedRun of the checkpoint at path (state: its contents, its step checked), each flag
+    as its record holds it, else as flags (this run's, TrainConfig.flags()) do; a recorded value
+    the flag cannot take is a CheckpointError."""
+    def positive(value):
+        return value is None or type(value) is int and value > 0
+
+    def flag(name, valid):
+        return recorded_flag(path, state, name, flags.get(name), valid)
+    clips = [clip for clip in (flag("grad_clip", lambda value: value is None or number_in(value, 0, math.inf)),
+                               flags.get("grad_clip")) if clip is not None]
+    grad_clip = max(clips) if clips and 0 not in clips else 0
+    return SavedRun(state["step"], flag("total_batch_size", positive), flag("seq_len", positive), grad_clip)
 
 
 def load_parts(checkpoint, parts):

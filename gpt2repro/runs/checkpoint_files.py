@@ -290,11 +290,25 @@ class ShardedCheckpoint(Checkpoint):
         it. The tensors of the parts in_storage are read first, in DCP's form, from its storage
         files: each rank reads only the pieces of its slices, on any number of ranks or in one
         process."""
-        tensors = {name: parts[name].dcp_state_dict() for name in in_storage(parts)}
+        tensors = {name: apart(parts[name].dcp_state_dict()) for name in in_storage(parts)}
         with restoring(self.path, " and ".join(tensors)):
             dcp_load(tensors, self.path)
         return [(name, part.load_dcp_state_dict, tensors[name]) if name in tensors else
                 (name, part.load_state_dict, self.state[name]) for name, part in parts.items()]
+
+
+def apart(state_dict):
+    """state_dict (DCP's form) with each tensor that shares its memory with an earlier one (the
+    head, tied to the token embedding) replaced by an empty one like it: read into shared memory,
+    one entry would overwrite another unseen, where read apart the part can compare them."""
+    seen, parted = set(), {}
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            memory = (value.to_local() if isinstance(value, DTensor) else value).untyped_storage().data_ptr()
+            value = torch.empty_like(value) if memory in seen else value
+            seen.add(memory)
+        parted[key] = value
+    return parted
 
 
 def _load_plain(path, map_location, require=("model", "config"), mmap=False):

@@ -14,7 +14,7 @@ from dataclasses import replace
 from gpt2repro.common.devices import pick_device
 from gpt2repro.common.inputs import first_line
 from gpt2repro.lm.tokenizer import gpt2_vocab_problem
-from gpt2repro.runs.checkpoint import ModelPart, load_parts, model_of, non_finite_weights
+from gpt2repro.runs.checkpoint import ModelPart, load_parts, model_of, non_finite_weights, saved_weights_problem
 from gpt2repro.runs.checkpoint_files import ShardedCheckpoint, checkpoint_format, named_checkpoints
 from gpt2repro.runs.dcp_reader import CheckpointError
 from model import GPT, PRETRAINED, n_params
@@ -50,6 +50,9 @@ def load_model(name_or_path, map_location="cpu", dropout=None, **options):
         if kind is ShardedCheckpoint:  # its weights are in its storage files, read as the trainer reads them
             load_parts(checkpoint, {"model": ModelPart(model)})
         else:
+            problem = saved_weights_problem(checkpoint.state["model"])
+            if problem:
+                raise CheckpointError(f"{name_or_path}: {problem}")
             try:
                 model.load_state_dict(checkpoint.state["model"])
             except (TypeError, ValueError, RuntimeError) as e:  # weights that are not this GPT's

@@ -65,11 +65,16 @@ def parts_of(model, optimizer, scaler, loader):
 
 def as_checkpoint(parts, step, flags):
     """What a one-file checkpoint of parts at step holds, of a run of its own, with flags
-    (TrainConfig.flags()) as its record."""
+    (TrainConfig.flags()) as its record, as a run of step steps of one micro-batch of its loader's each would save it: the
+    loader step micro-batches in, the record's batch flags that micro-batch."""
     from gpt2repro.runs.checkpoint import checkpoint_record
     from gpt2repro.runs.checkpoint_files import checkpoint_contents, new_run_identity
 
-    return checkpoint_contents(parts, checkpoint_record(parts, step, flags, new_run_identity()))
+    loader = parts["train_loader"].loader
+    flags = {**flags, "total_batch_size": loader.tokens_per_index, "seq_len": loader.T}
+    state = checkpoint_contents(parts, checkpoint_record(parts, step, flags, new_run_identity()))
+    state["train_loader"].update(epoch=0, index=step)
+    return state
 
 
 class FixedBatches:

@@ -161,6 +161,32 @@ def test_loader_resumes_by_tokens_read_under_another_world_size_or_batch(tmp_pat
     assert int(wider.next_batch()[0][0, 0]) == 48
 
 
+def test_every_position_a_run_leaves_is_one_its_steps_reach_and_an_epoch_more_or_less_is_not(tmp_path):
+    """step_problem, against what the steps imply: the positions of a run through three epochs
+    (shuffled from the second) pass, on one grid of micro-batches, after -B auto halved the
+    micro-batch mid-epoch, and after a resume on 2 ranks carried the position over by tokens;
+    the same position an epoch on or back, or at index 0, does not."""
+    T, tokens_per_step, sizes = 8, 64, [200, 90, 230]  # 519 tokens: 8 steps an epoch
+    loader = stream_loader(tmp_path, sizes, B=8, T=T, world_size=1, rank=0)
+    loader.shuffle = True
+    paths = [shard.path for shard in loader.shards]
+    for step in range(1, 30):
+        for _ in range(loader.micro_steps(tokens_per_step)):
+            loader.next_batch()
+        if step == 5:
+            loader.resize(4)
+        if step == 15:
+            elastic = ShardLoader(paths, 4, T, rank=0, world_size=2)  # rank 0's view of the same position
+            elastic.load_state_dict(loader.state_dict())
+            loader = elastic
+        state = loader.state_dict()
+        assert loader.step_problem(state, step, tokens_per_step, T) is None, (step, state)
+        for wrong in ({"epoch": state["epoch"] + 1}, {"epoch": state["epoch"] - 1}, {"index": 0}):
+            if wrong.get("epoch", 0) >= 0:
+                assert loader.step_problem({**state, **wrong}, step, tokens_per_step, T) is not None, (step, wrong)
+    assert loader.epoch == 3
+
+
 def test_ranks_leave_the_leftover_window_and_start_the_next_epoch_together(tmp_path):
     B, T = 2, 4  # 57 tokens: 7 windows of 8; two ranks read 3 each, and window 6 is left over
     loaders = [stream_loader(tmp_path, [57], B, T, world_size=2, rank=r) for r in range(2)]

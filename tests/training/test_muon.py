@@ -264,10 +264,18 @@ def test_resume_into_the_other_optimizer_is_refused_in_one_line(shards, tmp_path
      "its optimizer cannot be restored (the state of transformer.wte.weight: exp_avg_sq holds NaN or infinite "
      "values)"),
     (lambda muon, adamw: adamw[0].update(step=torch.zeros(2)), "step has shape (2,), not one number)"),
+    (lambda muon, adamw: muon[0].update(step=torch.tensor(3.5)),
+     "its optimizer cannot be restored (the state of transformer.h.0.attn.c_attn.weight: it holds 'step', which "
+     "Muon keeps none of)"),
+    (lambda muon, adamw: muon[2]["momentum_buffer"].index_fill_(0, torch.tensor([3]), 1e30),
+     "its optimizer cannot be restored (the state of transformer.h.0.attn.c_proj.weight: momentum_buffer holds 1e+30, "
+     "past what a running mean of gradients clipped at --grad_clip 1.0 reaches: 1)"),
 ])
 def test_a_tampered_optimizer_state_is_one_line_before_any_step(shards, tmp_path, capsys, tamper, problem):
     """Muon's and AdamW's state, each tensor checked against its parameter at load: torch loads it as
-    it is, to fail at the first step with a traceback, or train on from infinities."""
+    it is, to fail at the first step with a traceback, train on from infinities, or from what no
+    step of the run could have left there (a Muon step count, which Muon keeps none of; a momentum
+    of 1e30, where the run clipped every gradient to a norm of 1)."""
     train(shards, tmp_path / "run", *STEPS, *MUON, "--max_steps", "2")
     state = checkpoint_files.load_checkpoint(tmp_path / "run" / "ckpt_000002.pt").state
     tamper(state["optimizer"]["muon"]["state"], state["optimizer"]["adamw"]["state"])
