@@ -11,10 +11,10 @@ import os
 import sys
 
 from gpt2repro.common.cli import Parser
-from gpt2repro.runs.checkpoint import (ModelPart, OptimizerPart, load_parts, model_of, recorded_flag, recorded_flags,
-                                       saved_optimizer_name)
-from gpt2repro.runs.checkpoint_files import TRAIN_STATE, ShardedCheckpoint, checkpoint_format, save_checkpoint
+from gpt2repro.runs.checkpoint import OptimizerPart, recorded_flag, recorded_flags, saved_optimizer_name
+from gpt2repro.runs.checkpoint_files import TRAIN_STATE, ShardedCheckpoint, checkpoint_format, load_parts, save_checkpoint
 from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.model_weights import ModelPart, model_of
 from gpt2repro.runs.optimizer_state import is_rate
 from gpt2repro.training.optimizers import OptimizerConfig, build_optimizer
 

@@ -35,9 +35,10 @@ from gpt2repro.lm.data import ShardError, ShardLoader, list_shards
 from gpt2repro.lm.loss import pick_loss
 from gpt2repro.lm.tokenizer import gpt2_vocab_problem
 from gpt2repro.runs import logdir
-from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, overflow_cause, training_parts
+from gpt2repro.runs.checkpoint import CheckpointError, Checkpointer, training_parts
 from gpt2repro.runs.checkpoint_files import list_checkpoints
 from gpt2repro.runs.loading import check_run_sources, load_model, replaced_settings
+from gpt2repro.runs.model_weights import overflow_cause
 from gpt2repro.runs.logdir import LogDirLost, MetricsLog
 from gpt2repro.training import fsdp, memory, train_config
 from gpt2repro.training.faults import Faults

@@ -400,6 +400,23 @@ def restoring(path, field):
         raise CheckpointError(f"{path}: its {field} cannot be restored ({type(e).__name__}: {first_line(e)})") from None
 
 
+def refuse_on_every_rank(problem):
+    """Unrestorable, on every rank, for the first rank's problem where any has one."""
+    problems = [p for p in every_rank(problem) if p]
+    if problems:
+        raise Unrestorable(problems[0])
+
+
+def load_parts(checkpoint, parts):
+    """Loads each of parts from checkpoint (a Checkpoint), each failure one CheckpointError naming
+    the file and the part; returns the parts' notes on it."""
+    notes = []
+    for name, load, saved in checkpoint.saved_states(parts):
+        with restoring(checkpoint.path, name):
+            notes.append(load(saved))
+    return [note for note in notes if note]
+
+
 # ----------------------------------------------------------------------------- writing them
 
 class Saving(NamedTuple):

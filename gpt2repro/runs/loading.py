@@ -14,9 +14,9 @@ from dataclasses import replace
 from gpt2repro.common.devices import pick_device
 from gpt2repro.common.inputs import first_line
 from gpt2repro.lm.tokenizer import gpt2_vocab_problem
-from gpt2repro.runs.checkpoint import ModelPart, load_parts, model_of, non_finite_weights, saved_weights_problem
-from gpt2repro.runs.checkpoint_files import ShardedCheckpoint, checkpoint_format, named_checkpoints
+from gpt2repro.runs.checkpoint_files import ShardedCheckpoint, checkpoint_format, load_parts, named_checkpoints
 from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.model_weights import ModelPart, model_of, non_finite_weights, saved_weights_problem
 from model import GPT, PRETRAINED, n_params
 
 

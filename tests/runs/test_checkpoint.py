@@ -15,7 +15,7 @@ import checkpoint as converter
 import export_hf
 import hellaswag
 import sample
-from gpt2repro.runs import checkpoint, checkpoint_files, loading, optimizer_state
+from gpt2repro.runs import checkpoint, checkpoint_files, loading, model_weights, optimizer_state
 from gpt2repro.training.optimizers import build_optimizer
 from helpers import REPO
 from helpers.files import EXAMPLES, WritesAFile, declare_bytes, read_metadata, write_jsonl
@@ -30,7 +30,7 @@ RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint
 
 def save_sharded(path, model, optimizer, rest):
     """model's and optimizer's tensors as a sharded checkpoint at path writes them, beside rest."""
-    parts = {"model": checkpoint.ModelPart(model), "optimizer": checkpoint.OptimizerPart(model, optimizer)}
+    parts = {"model": model_weights.ModelPart(model), "optimizer": checkpoint.OptimizerPart(model, optimizer)}
     checkpoint_files.save_dcp(str(path), {name: part.dcp_state_dict() for name, part in parts.items()}, rest)
 
 
@@ -397,7 +397,7 @@ def test_a_resumed_optimizer_takes_this_runs_hyperparameters_and_keeps_what_it_l
     part = checkpoint.OptimizerPart(model, resumed)
     if sharded:
         save_sharded(tmp_path / "ckpt", model, saved, {})
-        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
+        checkpoint_files.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     else:
         part.load_state_dict(saved.state_dict())
     adamw = torch_optimizers(resumed)[0]
@@ -574,7 +574,7 @@ def test_crafted_optimizer_states_are_refused_in_one_line_naming_the_checkpoint_
     assert str(e.value) == f"ckpt_000004.pt: its optimizer cannot be restored (the state of {name}: {one_file})"
     save_sharded(tmp_path / "ckpt", model, saved, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
+        checkpoint_files.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}), {"optimizer": part})
     expected = (f"{tmp_path / 'ckpt'}: refused: its entry optimizer.state.{name}.{key} {sharded}; nothing was read"
                 if sharded else f"{tmp_path / 'ckpt'}: its optimizer cannot be restored (the state of {name}: {one_file})")
     assert str(e.value) == expected
@@ -684,7 +684,7 @@ def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_re
     saved = make_tiny_gpt()
     with torch.no_grad():
         saved.transformer.wte.weight[row, 3] = float("nan")
-    part = checkpoint.ModelPart(make_tiny_gpt(seed=1))
+    part = model_weights.ModelPart(make_tiny_gpt(seed=1))
     path = tmp_path / "ckpt_000004"
     if kind == "one-file":
         with pytest.raises(checkpoint.CheckpointError) as e, checkpoint_files.restoring(str(path), "model"):
@@ -692,7 +692,7 @@ def test_a_resumed_model_that_is_not_finite_is_refused_at_load_as_the_scripts_re
     else:
         save_sharded(path, saved, saved.configure_optimizers(0.1, 1e-3, "cpu"), {})
         with pytest.raises(checkpoint.CheckpointError) as e:
-            checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(path), {}), {"model": part})
+            checkpoint_files.load_parts(checkpoint_files.ShardedCheckpoint(str(path), {}), {"model": part})
     assert str(e.value) == f"{path}: its model cannot be restored (transformer.wte.weight holds NaN or infinite values" \
                            f"{where})"
 

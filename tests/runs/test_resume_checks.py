@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from gpt2repro.runs import checkpoint, checkpoint_files
+from gpt2repro.runs import checkpoint, checkpoint_files, model_weights
 from helpers import REPO
 from helpers.files import WritesAFile, write_token_shards
 from helpers.processes import run_torchrun, said_errors
@@ -260,11 +260,11 @@ def test_a_sharded_checkpoint_whose_head_is_not_its_embedding_is_refused(tmp_pat
     unseen: each entry is read apart, and the two compared."""
     saved = GPT(GPTConfig(**TINY_CONFIG))
     saved.lm_head.weight = torch.nn.Parameter(saved.transformer.wte.weight.detach() + 1)  # untied, to save apart
-    parts = {"model": checkpoint.ModelPart(saved)}
+    parts = {"model": model_weights.ModelPart(saved)}
     checkpoint_files.save_dcp(str(tmp_path / "ckpt"), {"model": parts["model"].dcp_state_dict()}, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}),
-                              {"model": checkpoint.ModelPart(GPT(GPTConfig(**TINY_CONFIG)))})
+        checkpoint_files.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}),
+                              {"model": model_weights.ModelPart(GPT(GPTConfig(**TINY_CONFIG)))})
     assert str(e.value) == (f"{tmp_path / 'ckpt'}: its model cannot be restored (lm_head.weight differs from "
                             f"transformer.wte.weight, which GPT-2's head is (one tensor, tied))")
 

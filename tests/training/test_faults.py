@@ -24,7 +24,7 @@ from helpers.limits import disk_full, file_size_limit
 from helpers.processes import finish_torchrun, one_line_error, popen_torchrun, run_torchrun, said_errors
 from helpers.runs import (TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, run_cli,
                           signal_in_evaluation, train, train_records)
-from model import GPTConfig, n_params
+from model import GPT, GPTConfig, n_params
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
 LONG = [*RUN, "--max_steps", "40"]
@@ -590,7 +590,7 @@ def test_a_model_that_cannot_be_loaded_is_one_checkpoint_error(tmp_path):
         loading.load_model(str(not_hf))
     assert "\n" not in str(e.value)
     wrong_shape = tmp_path / "ckpt_000001.pt"
-    model = checkpoint.GPT(checkpoint.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     state = {"model": model.state_dict(), "config": {**model.config.__dict__, "n_embd": 32}}
     torch.save(state, wrong_shape)
     with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint of this GPT"):
