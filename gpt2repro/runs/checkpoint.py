@@ -1,7 +1,8 @@
 """A run's checkpoints: what a run saves, when, and how it resumes from them.
 
-A run hands its Checkpointer, once, its stateful parts (training_parts): the model, the optimizer
-(whose saved state optimizer_state.py loads and checks), the loss scaler, the train loader's
+A run hands its Checkpointer, once, its stateful parts (training_parts): the model (its part is
+model_weights.py's, which the scripts share), the optimizer (whose saved state optimizer_state.py
+loads and checks), the loss scaler, the train loader's
 position and every rank's random state. Each part saves and restores itself (state_dict,
 load_state_dict); a checkpoint holds each under its name, beside its record: the step, the run's
 identity, the config (GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a
