@@ -2,15 +2,14 @@
 
 A run hands its Checkpointer, once, its stateful parts (training_parts): the model (its part is
 model_weights.py's, which the scripts share), the optimizer (whose saved state optimizer_state.py
-loads and checks), the loss scaler, the train loader's
-position and every rank's random state. Each part saves and restores itself (state_dict,
-load_state_dict); a checkpoint holds each under its name, beside its record: the step, the run's
-identity, the config (GPTConfig as a dict) and the run's flags (TrainConfig.flags()). How a
-checkpoint lies in files, one file or a sharded directory, and where in a log_dir, is
-checkpoint_files.py's; a run resumes through restore_parts, from either format, on any number of
-ranks. This file reads in that order: the Checkpointer that decides when a run saves, saves and
-restores; the parts; how a checkpoint restores them, once its record is found to fit the run. The
-root's checkpoint.py converts a sharded checkpoint into one file.
+loads and checks), the loss scaler, the train loader's position and every rank's random state. Each
+part saves and restores itself (state_dict, load_state_dict); a checkpoint holds each under its
+name, beside its record: the step, the run's identity, the config (GPTConfig as a dict) and the
+run's flags (TrainConfig.flags()). How a checkpoint lies in files, one file or a sharded directory,
+and where in a log_dir, is checkpoint_files.py's; a run resumes through restore_parts, from either
+format, on any number of ranks. This file reads in that order: the Checkpointer that decides when a
+run saves, saves and restores; the parts; how a checkpoint restores them, once its record is found
+to fit the run. The root's checkpoint.py converts a sharded checkpoint into one file.
 """
 import math
 import os
