@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from gpt2repro.common.distributed import RunError, agree, every_rank
 from gpt2repro.common.inputs import brief, first_line
 from gpt2repro.runs.checkpoint_files import (Unrestorable, check_no_later_checkpoints, checkpoint_path, checkpoint_step,
-                                             find_resume, latest_checkpoint, load_parts, new_run_identity,
+                                             find_resume, is_step, latest_checkpoint, load_parts, new_run_identity,
                                              prune_checkpoints, refuse_on_every_rank, save_error, save_one_file,
                                              save_sharded, warn_unwritten)
 from gpt2repro.runs.dcp_reader import CheckpointError, UnreadableStorage
@@ -397,7 +397,7 @@ def check_resumable(checkpoint, parts, log):
     if saved_dropout != dropout:
         log(f"note: {path} was trained at --dropout {brief(saved_dropout)}: resuming at this run's --dropout {dropout}")
     step = state["step"]
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_step(step):
         raise CheckpointError(f"{path}: its step is {brief(step)}, not a step number")
     saved_optimizer, this_optimizer = saved_optimizer_name(path, state), optimizer_name(parts["optimizer"].optimizer)
     if saved_optimizer != this_optimizer:

@@ -123,6 +123,7 @@ def read_saved(path):
 
 
 def is_step(value):
+    """Whether value can be a checkpoint's step: an int (not a bool) of 0 or more."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
