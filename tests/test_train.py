@@ -22,7 +22,7 @@ from gpt2repro.training.step import StepConfig, Trainable, build_trainable, trai
 from helpers import REPO
 from helpers.files import EXAMPLES, listdir, write_jsonl, write_token_shards
 from helpers.models import FixedBatches, as_checkpoint, make_tiny_gpt, parts_of, save_as_checkpoint
-from helpers.processes import one_line_error, run_ranks, run_script
+from helpers.processes import one_line_error, run_ranks
 from helpers.runs import (COMPILED_TRAIN, TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log,
                           run_cli, train, train_records)
 from model import GPT, GPTConfig
@@ -515,9 +515,8 @@ def test_compiled_ddp_run_equals_eager_evaluates_hellaswag_and_saves_plain_gpt_k
     assert [(r["step"], r["hellaswag_n"]) for r in logged] == [(0, 5), (2, 5)]
     saved = torch.load(tmp_path / "ckpt_000002.pt", weights_only=True)["model"]
     assert sorted(saved) == sorted(GPT(GPTConfig(**TINY_CONFIG)).state_dict())
-    scored = run_script("hellaswag.py", "-m", tmp_path / "ckpt_000002.pt", "--data", examples,
-                        "--json", tmp_path / "score.json", "--device", "cpu")
-    assert scored.returncode == 0, scored.stderr
+    hellaswag.main(["-m", str(tmp_path / "ckpt_000002.pt"), "--data", examples, "--json", str(tmp_path / "score.json"),
+                    "--device", "cpu"])
     score = json.loads((tmp_path / "score.json").read_text())
     assert (score["acc"], score["acc_norm"]) == (logged[-1]["hellaswag_acc"], logged[-1]["hellaswag_acc_norm"])
 
