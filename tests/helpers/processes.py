@@ -17,28 +17,25 @@ from helpers import REPO
 from helpers.limits import memory_limit, torch_address_space
 
 
-def popen_torchrun(*args, nproc=2, torchrun_flags=(), preexec_fn=None):
-    """torchrun on CPU (gloo) in its own process group, so a hung run's workers die with it;
-    preexec_fn as run_script's (its limits hold for the workers too)."""
+def popen_torchrun(*args, nproc=2, torchrun_flags=(), env=None):
+    """torchrun on CPU (gloo) in its own process group, so a hung run's workers die with it; env:
+    its environment, if not the one this process's children inherit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *torchrun_flags, *map(str, args)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=preexec_fn)
+                            start_new_session=True, env=env)
 
 
 def finish_torchrun(proc, timeout=300):
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:  # workers left behind by a failed or timed-out run
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_torchrun(*args, nproc=2, timeout=300, preexec_fn=None):
-    return finish_torchrun(popen_torchrun(*args, nproc=nproc, preexec_fn=preexec_fn), timeout)
+def run_torchrun(*args, nproc=2, timeout=300):
+    return finish_torchrun(popen_torchrun(*args, nproc=nproc), timeout)
 
 
 def wait_for_line(proc, prefix):
@@ -238,6 +235,7 @@ def read_pipes(output, reading, deadline, until=()):
 
 
 def kill_group(pid):
+    """SIGKILL to the process group of pid, which pid leads: pid, and what it started."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:  # gone, with everything it started

@@ -49,12 +49,9 @@ def test_ranks_started_in_test_see_the_environment_torchruns_workers_see(tmp_pat
     script.write_text(ENVIRONMENT_DUMP)
     for launch in ("torchrun", "in_test"):
         (tmp_path / launch).mkdir()
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               script, tmp_path / "torchrun"], env=dict(os.environ), capture_output=True, text=True,
-                              timeout=120)
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    in_test = run_ranks(script, tmp_path / "in_test")
-    assert in_test.returncode == 0, in_test.stderr[-3000:]
+    for result in (finish_torchrun(popen_torchrun(script, tmp_path / "torchrun", env=dict(os.environ)), timeout=120),
+                   run_ranks(script, tmp_path / "in_test")):
+        assert result.returncode == 0, result.stderr[-3000:]
     for rank in ("0", "1"):
         under_torchrun, in_test = (json.loads((tmp_path / launch / f"{rank}.json").read_text())
                                    for launch in ("torchrun", "in_test"))
