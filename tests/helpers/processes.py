@@ -131,7 +131,8 @@ def call_on_ranks(fn, *args, nproc=2, timeout=300, preexec_fn=None):
     timeout seconds every rank, and what it started, is killed and the test fails with their stderr.
     Not torchrun: no error file (TORCHELASTIC_ERROR_FILE) nor summary, no restarts, no signal
     forwarding, and no rank stopped because another failed (each must stop by itself); tests of
-    those start torchrun, in tests/integration/."""
+    those start torchrun, in tests/integration/. Nor an interpreter's exit: a rank ends with
+    os._exit once its threads are joined, without atexit's handlers or the interpreter's teardown."""
     from torch.distributed import TCPStore
 
     context = multiprocessing.get_context("forkserver")
