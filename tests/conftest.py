@@ -91,3 +91,16 @@ def shards(tmp_path_factory):
     return str(directory)
 
 
+@pytest.fixture
+def demo_dir(tmp_path, monkeypatch):
+    """The demo preset's own data_dir, moved into tmp_path (a copy of the presets whose demo says
+    so): the preset shards only there."""
+    from gpt2repro.common import cli
+
+    data_dir = tmp_path / "shakespeare"
+    configs = tmp_path / "configs"
+    shutil.copytree(cli.CONFIG_DIR, configs)
+    demo = (configs / "demo.toml").read_text()
+    (configs / "demo.toml").write_text(demo.replace('data_dir = "data/shakespeare"', f"data_dir = {str(data_dir)!r}"))
+    monkeypatch.setattr(cli, "CONFIG_DIR", str(configs))
+    return data_dir

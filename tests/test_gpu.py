@@ -12,7 +12,7 @@ from gpt2repro.lm.tokenizer import N_VOCAB, PADDED_VOCAB
 from gpt2repro.training.step import StepConfig, build_trainable, train_step
 from helpers.files import write_token_shards
 from helpers.models import FixedBatches
-from helpers.processes import run_torchrun
+from helpers.processes import run_ranks
 from helpers.runs import TINY, read_log, train_records
 from model import GPT, GPTConfig
 
@@ -101,13 +101,13 @@ def test_the_bf16_loss_matches_the_sliced_float32_reference(loss, compiled):
 
 @pytest.mark.slow
 def test_the_trainer_trains_on_cuda_compiled_and_under_fsdp_on_one_gpu(tmp_path):
-    """The trainer's whole path on a GPU, compiled: one process, then FSDP2 under torchrun on the
+    """The trainer's whole path on a GPU, compiled: one process, then FSDP2 on one rank on the
     same GPU, which must give the same losses within bf16's tolerance."""
     write_token_shards(tmp_path / "data")
     flags = [*TINY, *ON_CUDA, "--compile", "1", "--data_dir", tmp_path / "data", "-B", "4",
              "--total_batch_size", "256", "--max_steps", "4"]
     train_gpt2.main([str(f) for f in flags + ["--log_dir", tmp_path / "one"]])
-    result = run_torchrun("train_gpt2.py", *flags, "--fsdp", "1", "--log_dir", tmp_path / "fsdp", nproc=1)
+    result = run_ranks("train_gpt2.py", *flags, "--fsdp", "1", "--log_dir", tmp_path / "fsdp", nproc=1)
     assert result.returncode == 0, result.stderr[-3000:]
     one, fsdp = (train_records(read_log(tmp_path / name)) for name in ("one", "fsdp"))
     assert len(one) == len(fsdp) == 4

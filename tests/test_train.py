@@ -2,7 +2,6 @@
 init_from, logging to wandb and TensorBoard, bad input."""
 import json
 import os
-import shutil
 import re
 import sys
 from functools import partial
@@ -23,7 +22,7 @@ from gpt2repro.training.step import StepConfig, Trainable, build_trainable, trai
 from helpers import REPO
 from helpers.files import EXAMPLES, listdir, write_jsonl, write_token_shards
 from helpers.models import FixedBatches, as_checkpoint, make_tiny_gpt, parts_of, save_as_checkpoint
-from helpers.processes import one_line_error, run_script, run_torchrun, torchrun_root_cause
+from helpers.processes import one_line_error, run_ranks
 from helpers.runs import (COMPILED_TRAIN, TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log,
                           run_cli, train, train_records)
 from model import GPT, GPTConfig
@@ -61,21 +60,6 @@ def test_defaults_are_the_gpt2_124m_recipe():
         (0.1, 1.0, 1337, 250, 5000)
     demo = train_gpt2.parse_args(["--preset", "demo", "--max_steps", "7"])
     assert demo.schedule.max_steps == 7 and demo.data_dir == os.path.join(REPO, "data", "shakespeare")
-
-
-@pytest.fixture
-def demo_dir(tmp_path, monkeypatch):
-    """The demo preset's own data_dir, moved into tmp_path (a copy of the presets whose demo says
-    so): the preset shards only there."""
-    from gpt2repro.common import cli
-
-    data_dir = tmp_path / "shakespeare"
-    configs = tmp_path / "configs"
-    shutil.copytree(cli.CONFIG_DIR, configs)
-    demo = (configs / "demo.toml").read_text()
-    (configs / "demo.toml").write_text(demo.replace('data_dir = "data/shakespeare"', f"data_dir = {str(data_dir)!r}"))
-    monkeypatch.setattr(cli, "CONFIG_DIR", str(configs))
-    return data_dir
 
 
 def test_demo_shards_that_cannot_be_written_are_one_line(tmp_path, demo_dir, monkeypatch, capsys):
@@ -167,19 +151,6 @@ def test_the_demos_step_of_1024_tokens_divides_over_1_2_and_4_processes(world_si
     assert demo.world_size_problem(world_size) is None and demo.batch.total_batch_size == 1024
 
 
-@pytest.mark.slow
-def test_the_demo_under_torchrun_trains_as_on_one_process(tmp_path, demo_dir):
-    """The README's torchrun line with the demo: 2 ranks of 4 sequences (-B auto), the losses of one
-    process's 8 (3 steps, evaluated but not sampled: what differs between the two is the step)."""
-    flags = ["--preset", "demo", "--data_dir", str(demo_dir), "--max_steps", "3", "--val_steps", "2",
-             "--sample_interval", "0", "--hellaswag_path", str(tmp_path / "absent.jsonl")]
-    train_gpt2.main([*flags, "--log_dir", str(tmp_path / "single")])  # shards the corpus into demo_dir
-    result = run_torchrun("train_gpt2.py", *flags, "--log_dir", tmp_path / "ddp")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "world size 2, device cpu, 1 micro-steps of 4x128 tokens per step of 1024" in result.stdout
-    assert_same_run(read_log(tmp_path / "single"), read_log(tmp_path / "ddp"))
-
-
 def test_max_steps_0_evaluates_the_starting_point_and_trains_nothing(shards, tmp_path, capsys):
     run = ["--total_batch_size", "256", "-B", "8", "--eval_interval", "4", "--val_steps", "2"]
     trained = train(shards, tmp_path / "run", *run, "--max_steps", "4")
@@ -265,8 +236,8 @@ def test_ddp_on_two_processes_equals_one_process(shards, tmp_path):
     # Val: 2 micro-batches of 4x32 on one process, 2 of 2x32 on each of two ranks: the same 256 tokens.
     evals = ["--eval_interval", "4", "--val_steps", "2"]
     single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4", *evals)
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
-                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *evals)
+    result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
+                       "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *evals)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world size 2" in result.stdout
     ddp = read_log(tmp_path / "ddp")
@@ -391,16 +362,6 @@ def test_a_val_loss_that_is_not_finite_names_the_weight_that_overflows_not_the_v
                        "--resume", tmp_path / "blown.pt")
     assert message == ("error: the val loss at step 2 is nan on val tokens whose ids were each checked: the model's "
                        "forward pass overflows (its largest weight, in transformer.h.0.mlp.c_fc.weight, is 3e+38)")
-
-
-@pytest.mark.slow
-def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(shards, tmp_path):
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, "--max_lr", "x")
-    assert result.returncode != 0
-    line = "train_gpt2.py: error: argument --max_lr: invalid float value: 'x' (see --help)"
-    assert [text for text in result.stderr.splitlines() if text.startswith("train_gpt2.py: error:")] == [line], \
-        result.stderr[-3000:]
-    assert torchrun_root_cause(result.stderr) == line  # torchrun's summary gives it too, where the user looks
 
 
 def test_a_missing_resume_path_is_the_error_before_any_download(shards, tmp_path, capsys, monkeypatch):
@@ -579,19 +540,18 @@ def test_compiled_ddp_run_equals_eager_evaluates_hellaswag_and_saves_plain_gpt_k
     examples = write_jsonl(tmp_path / "hellaswag.jsonl", EXAMPLES)
     flags = [*TINY, "--vocab_size", "50304", "--data_dir", shards, "--total_batch_size", "256", "-B", "4",
              "--max_steps", "2", "--eval_interval", "2", "--val_steps", "1", "--hellaswag", "1", "--hellaswag_path", examples]
-    result = run_torchrun(script, *flags, "--compile", "1", "--log_dir", tmp_path)
+    result = run_ranks(script, *flags, "--compile", "1", "--log_dir", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the step runs through OptimizedModule of DistributedDataParallel" in result.stdout
-    eager = run_torchrun("train_gpt2.py", *flags, "--log_dir", tmp_path / "eager")
+    eager = run_ranks("train_gpt2.py", *flags, "--log_dir", tmp_path / "eager")
     assert eager.returncode == 0, eager.stderr[-3000:]
     assert_same_run(read_log(tmp_path), read_log(tmp_path / "eager"))
     logged = [r for r in read_log(tmp_path) if "hellaswag_acc_norm" in r]
     assert [(r["step"], r["hellaswag_n"]) for r in logged] == [(0, 5), (2, 5)]
     saved = torch.load(tmp_path / "ckpt_000002.pt", weights_only=True)["model"]
     assert sorted(saved) == sorted(GPT(GPTConfig(**TINY_CONFIG)).state_dict())
-    scored = run_script("hellaswag.py", "-m", tmp_path / "ckpt_000002.pt", "--data", examples,
-                        "--json", tmp_path / "score.json", "--device", "cpu")
-    assert scored.returncode == 0, scored.stderr
+    hellaswag.main(["-m", str(tmp_path / "ckpt_000002.pt"), "--data", examples, "--json", str(tmp_path / "score.json"),
+                    "--device", "cpu"])
     score = json.loads((tmp_path / "score.json").read_text())
     assert (score["acc"], score["acc_norm"]) == (logged[-1]["hellaswag_acc"], logged[-1]["hellaswag_acc_norm"])
 
@@ -860,10 +820,10 @@ def test_dropout_resumes_exactly_on_2_ranks_each_drawing_its_own_masks(shards, t
     (their dropout masks are their own). Resumed in one process it says what is not reproduced."""
     run = [*TINY, "--data_dir", shards, "--total_batch_size", "256", "-B", "4", "--max_steps", "6", "--dropout", "0.1",
            *scale]
-    full = run_torchrun("train_gpt2.py", *run, "--checkpoint_interval", "3", "--log_dir", tmp_path / "full")
+    full = run_ranks("train_gpt2.py", *run, "--checkpoint_interval", "3", "--log_dir", tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
     saved = checkpoint_files.list_checkpoints(str(tmp_path / "full"))[0]
-    resumed = run_torchrun("train_gpt2.py", *run, "--resume", saved, "--log_dir", tmp_path / "resumed")
+    resumed = run_ranks("train_gpt2.py", *run, "--resume", saved, "--log_dir", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / name))] for name in ("full", "resumed")]
     assert losses[1] == losses[0][3:]

@@ -12,13 +12,15 @@ def disk_full(*args, **kwargs):
 
 def file_size_limit(limit):
     """A preexec_fn: the child may write no file past limit bytes (ulimit -f), and a write past it
-    fails with EFBIG, as on a full disk, rather than killing it (SIGXFSZ)."""
+    fails with EFBIG, as on a full disk, rather than killing it (SIGXFSZ). It pickles, for run_ranks."""
+    return functools.partial(limit_file_size, limit)
+
+
+def limit_file_size(limit):
     import resource
 
-    def apply():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    return apply
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def memory_limit(limit):

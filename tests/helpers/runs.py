@@ -31,6 +31,10 @@ def train_records(records):
     return [r for r in records if "train_loss" in r]
 
 
+def assert_each_step_logged_once(log_dir, n_steps):
+    assert [r["step"] for r in train_records(read_log(log_dir))] == list(range(n_steps))
+
+
 def final_weights(log_dir, step):
     from gpt2repro.runs.checkpoint_files import load_checkpoint
 

@@ -21,7 +21,7 @@ from gpt2repro.common.atomic import claim_directory
 from gpt2repro.runs import checkpoint_files, logdir
 from helpers import REPO
 from helpers.files import WritesAFile, listdir
-from helpers.processes import run_torchrun, said_errors
+from helpers.processes import run_ranks, said_errors
 from helpers.runs import TINY, error_of, read_log, train
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "4", "--checkpoint_interval", "2"]
@@ -400,7 +400,7 @@ def test_on_two_ranks_a_log_dir_removed_under_the_run_stops_every_rank_in_one_li
     log_dir, second = tmp_path / "log", '{"step": 0, "tokens": 0}\n'
     script = tmp_path / "removed_on_rank_0.py"
     script.write_text(REMOVED_ON_RANK_0.format(repo=REPO, log_dir=str(log_dir), second=second))
-    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--data_dir", shards, "--log_dir", log_dir, timeout=180)
+    result = run_ranks(script, *TINY, *RUN, "-B", "4", "--data_dir", shards, "--log_dir", log_dir, timeout=180)
     assert result.returncode == 1
     assert said_errors(result.stderr) == [f"error: rank 0: {lost_log_dir(log_dir)}"]
     assert os.listdir(log_dir) == ["log.jsonl"] and (log_dir / "log.jsonl").read_text() == second

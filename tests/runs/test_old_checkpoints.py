@@ -9,14 +9,14 @@ import os
 import pytest
 
 from helpers import REPO
-from helpers.processes import run_torchrun
+from helpers.processes import run_ranks
 from helpers.runs import TINY, read_log, train
 
 OLD = os.path.join(REPO, "tests", "data", "de4c38f")
 # As write.sh there resumed them: TINY's flags and these, 16 wide with a context of 32, 2 steps on to 4.
 FLAGS = ["--n_embd", "16", "--block_size", "32", "--total_batch_size", "256", "-B", "4", "--eval_interval", "2",
          "--val_steps", "1", "--max_steps", "4"]
-ON_TWO_RANKS = pytest.mark.slow  # under torchrun
+ON_TWO_RANKS = pytest.mark.slow  # on 2 ranks
 # Another CPU sums floats in another order. The most this machine's three ATEN_CPU_CAPABILITY levels
 # differed from resumed.json: 1.1e-7 (a rounding), 7.5e-6 for Muon's step-3 gradient norm (its
 # orthogonalization amplifies one). A part restored wrongly (the optimizer's moments, a rank's random
@@ -44,7 +44,7 @@ def test_a_checkpoint_of_de4c38f_resumes_as_de4c38f_resumed_it(shards, tmp_path,
     assert "this run's flags win over the checkpoint's: decay_steps 2 -> 4\n" in first
     with open(os.path.join(OLD, "resumed.json")) as f:
         assert numbers(read_log(tmp_path / "first")) == pytest.approx(numbers(json.load(f)[name]), rel=REL, abs=0)
-    if ranks == 1:  # on 2 ranks tests/training/test_fsdp.py resumes exactly; a torchrun more costs tens of seconds
+    if ranks == 1:  # on 2 ranks tests/training/test_fsdp.py resumes exactly; a run on ranks more costs seconds
         (step_3,) = [entry for entry in os.listdir(tmp_path / "first") if entry.startswith("ckpt_000003")]
         resume(shards, tmp_path / "again", capsys, ranks, *flags, "--resume", tmp_path / "first" / step_3)
         assert numbers(read_log(tmp_path / "again")) == {
@@ -52,12 +52,12 @@ def test_a_checkpoint_of_de4c38f_resumes_as_de4c38f_resumed_it(shards, tmp_path,
 
 
 def resume(shards, log_dir, capsys, ranks, *flags):
-    """The trainer on FLAGS and flags, in this process or under torchrun on ranks; returns its stdout."""
+    """The trainer on FLAGS and flags, in this process or on ranks (run_ranks); returns its stdout."""
     if ranks == 1:
         train(shards, log_dir, *FLAGS, *flags)
         return capsys.readouterr().out
-    result = run_torchrun("train_gpt2.py", *TINY, *FLAGS, *flags, "--data_dir", shards, "--log_dir", log_dir,
-                          nproc=ranks, timeout=180)
+    result = run_ranks("train_gpt2.py", *TINY, *FLAGS, *flags, "--data_dir", shards, "--log_dir", log_dir,
+                       nproc=ranks, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -13,7 +13,7 @@ import torch
 from gpt2repro.runs import checkpoint, checkpoint_files, model_weights
 from helpers import REPO
 from helpers.files import WritesAFile, write_token_shards
-from helpers.processes import run_torchrun, said_errors
+from helpers.processes import run_ranks, said_errors
 from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train, train_records
 from model import GPT, GPTConfig
 
@@ -294,8 +294,8 @@ def test_a_moment_only_one_fsdp_rank_holds_stops_every_rank_with_one_line(run, s
     ckpt = crafted(run, tmp_path, moment_at("exp_avg_sq", 200, 3e38))
     script = tmp_path / "rank_stops.py"
     script.write_text(RANK_STOPS.format(repo=REPO))
-    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--fsdp", "1", "--data_dir", shards,
-                          "--log_dir", tmp_path / "log", "--resume", ckpt, timeout=180)
+    result = run_ranks(script, *TINY, *RUN, "-B", "4", "--fsdp", "1", "--data_dir", shards,
+                       "--log_dir", tmp_path / "log", "--resume", ckpt, timeout=180)
     expected = (f"{ckpt}: its optimizer cannot be restored (the state of transformer.wte.weight: exp_avg_sq holds "
                 f"3e+38, past what a running mean of squared gradients clipped at --grad_clip 1.0 reaches: 1)")
     assert sorted(line for line in result.stdout.splitlines() if "stops:" in line) == [

@@ -4,7 +4,6 @@ import os
 import re
 import random
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 import train_gpt2
-from gpt2repro.common import cli
 from gpt2repro.lm.data import write_shard
 from gpt2repro.runs import checkpoint, checkpoint_files, loading, logdir
 from gpt2repro.training import memory
@@ -21,9 +19,9 @@ from gpt2repro.training.train_config import ScaleConfig
 from helpers import REPO
 from helpers.files import EXAMPLES, WritesAFile, listdir, write_jsonl, write_token_shards
 from helpers.limits import disk_full, file_size_limit
-from helpers.processes import finish_torchrun, one_line_error, popen_torchrun, run_torchrun, said_errors
-from helpers.runs import (TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, run_cli,
-                          signal_in_evaluation, train, train_records)
+from helpers.processes import one_line_error, run_ranks, said_errors, wait_for_line
+from helpers.runs import (TINY, TINY_CONFIG, assert_each_step_logged_once, assert_same_run, error_of, final_weights,
+                          read_log, run_cli, signal_in_evaluation, train, train_records)
 from model import GPT, GPTConfig, n_params
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "8", "--checkpoint_interval", "4"]
@@ -50,20 +48,9 @@ def assert_weights_equal(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
-def assert_each_step_logged_once(log_dir, n_steps):
-    assert [r["step"] for r in train_records(read_log(log_dir))] == list(range(n_steps))
-
-
 def popen_train(shards, log_dir, *flags):
     return subprocess.Popen([sys.executable, "train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", str(log_dir),
                              *RUN, *map(str, flags)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_line(proc, prefix):
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return
-    raise AssertionError(f"the run ended before printing {prefix!r}: {proc.stderr.read()[-2000:]}")
 
 
 @pytest.mark.slow
@@ -141,7 +128,7 @@ def test_a_sigterm_resume_under_dropout_gives_the_uninterrupted_losses(shards, t
         args = [*STOPPED_UNDER_DROPOUT, "--optimizer", optimizer, *flags]
         if ranks == 1:
             return train(shards, log_dir, *args)
-        result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *args, "-B", "4")
+        result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *args, "-B", "4")
         assert result.returncode == 0, result.stderr[-3000:]
         return read_log(log_dir)
 
@@ -219,7 +206,7 @@ def test_a_stop_that_one_rank_hears_during_an_evaluation_stops_both_at_its_next_
     script = tmp_path / "signalled_on_rank_1.py"
     script.write_text(SIGNALLED_IN_EVALUATION_ON_RANK_1.format(repo=REPO, evaluation=evaluation))
     ranks = run_ranks(script, *TINY, "--data_dir", shards, "--log_dir", tmp_path / "run", *EVALUATED, "-B", "4",
-                      "--hellaswag_path", hellaswag_examples)
+                      "--hellaswag_path", hellaswag_examples).ranks
     assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
     assert "stopping on a signal at step 2, its evaluation cut short; `--resume auto` continues here" in ranks[0].stdout
     assert ranks[1].stdout == f"batches of the {evaluation} after the signal: 1\n"
@@ -229,38 +216,17 @@ def test_a_stop_that_one_rank_hears_during_an_evaluation_stops_both_at_its_next_
 
 
 SIGNALLED_IN_EVALUATION_ON_RANK_1 = """
-import atexit, os, sys
+import os, sys
 sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
 import train_gpt2
 from helpers.runs import signal_in_evaluation
-if os.environ["RANK"] == "1":
-    batches = signal_in_evaluation({evaluation!r}, 2)
-    atexit.register(lambda: print("batches of the {evaluation} after the signal:", len(batches)))
-train_gpt2.main()
+batches = signal_in_evaluation({evaluation!r}, 2) if os.environ["RANK"] == "1" else None
+try:
+    train_gpt2.main()
+finally:  # a rank that run_ranks starts ends without atexit's handlers
+    if batches is not None:
+        print("batches of the {evaluation} after the signal:", len(batches), flush=True)
 """
-
-
-def run_ranks(script, *args, world_size=2, timeout=300):
-    """script, which calls train_gpt2.main(), run with args as world_size ranks of one gloo group on
-    127.0.0.1, each started as torchrun starts one (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) but without it; each rank's CompletedProcess, its output as text."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, outputs = [], []
-    try:
-        for rank in range(world_size):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        for proc in procs:  # little output: neither pipe fills while the other rank is read
-            outputs.append(proc.communicate(timeout=timeout))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-            for proc, (out, err) in zip(procs, outputs)]
 
 
 @pytest.mark.slow
@@ -318,8 +284,8 @@ def test_a_fault_that_could_never_fire_is_one_line(shards, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_fault_on_a_rank_the_run_lacks_is_one_line_on_two_ranks(shards, tmp_path):
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
-                          "--fault", "oom@2:2", timeout=120)
+    result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
+                       "--fault", "oom@2:2", timeout=120)
     assert result.returncode != 0, result.stderr[-3000:]
     assert said_errors(result.stderr) == ["error: --fault oom@2:2: no rank 2 in a run of 2 rank(s)"]
     assert not os.path.exists(tmp_path / "log.jsonl")
@@ -432,48 +398,6 @@ def test_too_few_val_tokens_reduce_val_steps_with_a_warning(tmp_path):
     assert len([r for r in read_log(tmp_path / "log") if "val_loss" in r]) == 3
 
 
-@pytest.mark.slow
-def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(shards, uninterrupted, tmp_path):
-    # Two ranks of B=4 read what one process of B=8 reads: the reference run's weights.
-    args = ["train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", str(tmp_path), *RUN, "-B", "4",
-            "--fault", "sigkill@6:1"]
-    result = run_torchrun("--max-restarts=1", *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from" in result.stdout and "ckpt_000004.pt at step 4" in result.stdout
-    assert_each_step_logged_once(tmp_path, 8)
-    for key, tensor in uninterrupted[1].items():
-        assert torch.allclose(final_weights(tmp_path, 8)[key], tensor, atol=1e-5), key
-
-
-# Steps of 1200 micro-steps (about 2 s here): longer than the grace period torchrun is given below.
-PREEMPTED = ["train_gpt2.py", *TINY, "-B", "1", "--total_batch_size", str(1200 * 2 * 32), "--max_steps", "2",
-             "--checkpoint_interval", "0"]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(cli.torch_release(torch.__version__) < (2, 12), reason="torchrun's --shutdown-timeout: torch 2.12")
-def test_preemption_through_torchrun_checkpoints_within_its_grace_period(shards, tmp_path):
-    """SLURM and Kubernetes send SIGTERM to torchrun, which forwards it to the workers and SIGKILLs
-    them after a grace period (--shutdown-timeout: 30 s by default, 1 s here) that a step may
-    outlast. The step in flight is dropped at a micro-step, the checkpoint written in time, and
-    the resumed run's losses are the uninterrupted run's."""
-    result = run_torchrun(*PREEMPTED, "--data_dir", shards, "--log_dir", tmp_path / "uninterrupted")
-    assert result.returncode == 0, result.stderr[-3000:]
-    proc = popen_torchrun(*PREEMPTED, "--data_dir", shards, "--log_dir", tmp_path / "stopped",
-                          torchrun_flags=["--shutdown-timeout", "1"])
-    wait_for_line(proc, "step     0 |")
-    proc.send_signal(signal.SIGTERM)  # to torchrun only, as srun or the kubelet sends it
-    stopped = finish_torchrun(proc, timeout=60)
-    assert "stopping on a signal at step 1" in stopped.stdout, stopped.stderr[-3000:]
-    # torchrun's own traceback follows (it re-raises the signal), but none from a worker, none SIGKILLed.
-    assert "closing signal SIGKILL" not in stopped.stderr and 'train_gpt2.py", line' not in stopped.stderr
-    assert [os.path.basename(p) for p in checkpoint_files.list_checkpoints(str(tmp_path / "stopped"))] == ["ckpt_000001.pt"]
-    result = run_torchrun(*PREEMPTED, "--data_dir", shards, "--log_dir", tmp_path / "stopped")  # --resume auto
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = [[r["train_loss"] for r in train_records(read_log(tmp_path / run))] for run in ("uninterrupted", "stopped")]
-    assert len(losses[0]) == 2 and losses[1] == losses[0]
-
-
 REPLICA_DUMP = """
 import os, sys
 import torch
@@ -494,7 +418,7 @@ def test_ranks_agree_on_a_fault_seen_by_one_rank(shards, tmp_path):
     script.write_text(REPLICA_DUMP.format(repo=REPO))
     args = [str(script), *TINY, "--data_dir", shards, "--log_dir", str(tmp_path), *RUN, "-B", "4",
             "--max_steps", "20", "--fault", "nan@1:1", "--fault", "sigterm@3:1"]
-    result = run_torchrun(*args)
+    result = run_ranks(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_log(tmp_path)
     assert [r["step"] for r in records if r.get("skipped_step")] == [1]
@@ -519,7 +443,7 @@ train_gpt2.main()
 def run_with_rank_1_patched(tmp_path, patch, *args):
     script = tmp_path / "patched_on_rank_1.py"
     script.write_text(ON_RANK_1.format(repo=REPO, patch=patch))
-    return run_torchrun(script, *TINY, *RUN, "-B", "4", *args, timeout=120)
+    return run_ranks(script, *TINY, *RUN, "-B", "4", *args, timeout=120)
 
 
 @pytest.mark.slow
@@ -559,9 +483,9 @@ def test_hellaswag_is_downloaded_once_per_machine_not_once_per_rank(shards, tmp_
     script = tmp_path / "cached_in_tmp.py"
     script.write_text(f"import sys; sys.path.insert(0, {REPO!r})\nimport hellaswag, train_gpt2\n"
                       f"hellaswag.CACHE_DIR = {str(tmp_path / 'cache')!r}\ntrain_gpt2.main()\n")
-    result = run_torchrun(script, *TINY, *RUN, "-B", "4", "--vocab_size", "50304", "--data_dir", shards,
-                          "--log_dir", tmp_path / "log", "--max_steps", "1", "--eval_interval", "1",
-                          "--hellaswag", "1", "--hellaswag_limit", "4", timeout=120)
+    result = run_ranks(script, *TINY, *RUN, "-B", "4", "--vocab_size", "50304", "--data_dir", shards,
+                       "--log_dir", tmp_path / "log", "--max_steps", "1", "--eval_interval", "1",
+                       "--hellaswag", "1", "--hellaswag_limit", "4", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("downloading ") == 1
     assert [r["hellaswag_n"] for r in read_log(tmp_path / "log") if "hellaswag_n" in r] == [4, 4]
@@ -570,8 +494,8 @@ def test_hellaswag_is_downloaded_once_per_machine_not_once_per_rank(shards, tmp_
 @pytest.mark.slow
 def test_ranks_stop_together_after_too_many_bad_steps_on_one_rank(shards, tmp_path):
     faults = [arg for step in (1, 2) for arg in ("--fault", f"nan@{step}:1")]
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
-                          "--max_bad_steps", "2", *faults, timeout=120)
+    result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *RUN, "-B", "4",
+                       "--max_bad_steps", "2", *faults, timeout=120)
     assert result.returncode != 0  # and not a hang: both ranks took the decision at the same step
     said = said_errors(result.stderr)
     assert len(said) == 1 and said[0].startswith("error: 2 steps in a row had a non-finite loss")  # by rank 0
@@ -852,8 +776,8 @@ def test_out_of_memory_at_one_sequence_names_the_hosts_memory_and_no_lever_that_
 def test_two_ranks_halve_together_when_one_runs_out_of_memory(shards, tmp_path, halved_micro_batch):
     """Only rank 1 runs out of memory (its micro-batch 4 of the step's 8 sequences); rank 0 learns
     of it, both halve, and together they train -B 4's run in one process."""
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "-B", "auto",
-                          "--fault", "oom@2:1", timeout=120)
+    result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path, *OOM_RUN, "-B", "auto",
+                       "--fault", "oom@2:1", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "micro-batch auto: 4 (" in result.stdout
     assert result.stdout.count("out of memory at step 2: micro-batch 4 -> 2, 2 micro-steps per step") == 1

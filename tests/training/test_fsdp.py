@@ -14,14 +14,14 @@ import hellaswag
 from gpt2repro.runs import checkpoint, checkpoint_files, loading
 from helpers import REPO
 from helpers.files import EXAMPLES, WritesAFile, declare_bytes, listdir, write_jsonl
-from helpers.processes import exit_message, run_torchrun
+from helpers.processes import exit_message, run_ranks
 from helpers.runs import COMPILED_TRAIN, TINY, assert_same_run, error_of, read_log, train, train_records
 
 RUN = ["--total_batch_size", "256", "--warmup_steps", "2"]
 
 
 def torchrun(*flags, nproc=2):
-    result = run_torchrun("train_gpt2.py", *TINY, *RUN, *flags, nproc=nproc, timeout=180)
+    result = run_ranks("train_gpt2.py", *TINY, *RUN, *flags, nproc=nproc, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr  # FSDP's about the logits' view, for one
     return result
@@ -120,7 +120,7 @@ def test_compiled_blocks_under_fsdp_train_as_eager_and_keep_their_names(shards, 
     script = tmp_path / "train_compiled.py"
     script.write_text(COMPILED_TRAIN.format(repo=REPO))
     flags = [*TINY, *RUN, "--data_dir", shards, "--max_steps", "3", "--fsdp", "1", "-B", "2"]
-    result = run_torchrun(script, *flags, "--compile", "1", "--log_dir", tmp_path / "compiled", timeout=180)
+    result = run_ranks(script, *flags, "--compile", "1", "--log_dir", tmp_path / "compiled", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the step runs through FSDPGPT of NoneType" in result.stdout  # the blocks are compiled, not the root
     torchrun("--data_dir", shards, "--max_steps", "3", "--fsdp", "1", "-B", "2", "--log_dir", tmp_path / "eager")
@@ -160,7 +160,7 @@ distributed.leave()
 def test_a_model_built_on_the_meta_device_gets_the_weights_built_in_one_process(tmp_path):
     script = tmp_path / "meta_init.py"
     script.write_text(META_INIT.format(repo=REPO))
-    result = run_torchrun(script, timeout=120)
+    result = run_ranks(script, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: weights equal True, generator equal True" in result.stdout
@@ -212,9 +212,9 @@ def test_a_crafted_sharded_checkpoint_runs_nothing_when_resumed_under_fsdp(shard
     shutil.copytree(fsdp_dir / "ckpt_000002", crafted)
     (crafted / "payload.distcp").write_bytes(pickle.dumps(WritesAFile(str(tmp_path / "ran"))))
     declare_bytes(crafted, "model.lm_head.weight", crafted / "payload.distcp")
-    result = run_torchrun("train_gpt2.py", *TINY, *RUN, "--vocab_size", "50304", "--fsdp", "1", "-B", "2",
-                          "--data_dir", shards, "--log_dir", tmp_path / "log",
-                          "--resume", crafted, timeout=180)
+    result = run_ranks("train_gpt2.py", *TINY, *RUN, "--vocab_size", "50304", "--fsdp", "1", "-B", "2",
+                       "--data_dir", shards, "--log_dir", tmp_path / "log",
+                       "--resume", crafted, timeout=180)
     assert result.returncode == 1
     assert (f"error: {crafted}: refused: its entry model.lm_head.weight is declared plain data where this model "
             f"holds a tensor; nothing was read") in result.stderr.splitlines()

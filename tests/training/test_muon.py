@@ -21,7 +21,7 @@ from gpt2repro.training.step import StepConfig, build_trainable, train_step
 from helpers.files import listdir
 from helpers.limits import file_size_limit
 from helpers.models import FixedBatches, as_checkpoint, parts_of
-from helpers.processes import run_torchrun
+from helpers.processes import run_ranks
 from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train, train_records
 from model import GPT, GPTConfig
 
@@ -233,8 +233,8 @@ def test_the_step_log_and_schedule_carry_muons_lr(shards, tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_ddp_with_muon_on_two_processes_equals_one_process(shards, tmp_path):
     single = train(shards, tmp_path / "single", "--total_batch_size", "256", "-B", "4", "--max_steps", "4", *MUON)
-    result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
-                          "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *MUON)
+    result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", tmp_path / "ddp",
+                       "--total_batch_size", "256", "-B", "2", "--max_steps", "4", *MUON)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world size 2" in result.stdout and "optimizer: Muon" in result.stdout
     ddp = read_log(tmp_path / "ddp")
@@ -358,8 +358,8 @@ def test_fsdp_with_muon_trains_as_one_process_and_its_checkpoints_pass_both_ways
     flags = ["--total_batch_size", "256", "--max_steps", "6", "--checkpoint_interval", "3", *MUON]
 
     def fsdp(log_dir, *more):
-        result = run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, "-B", "2",
-                              "--fsdp", "1", *more)
+        result = run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, "-B", "2",
+                           "--fsdp", "1", *more)
         assert result.returncode == 0, result.stderr[-3000:]
         return read_log(log_dir)
 
@@ -392,8 +392,8 @@ def test_fsdp_with_muon_killed_or_out_of_disk_loses_nothing(shards, tmp_path):
              *MUON]
 
     def fsdp(log_dir, *more, preexec_fn=None):
-        return run_torchrun("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, *more,
-                            preexec_fn=preexec_fn)
+        return run_ranks("train_gpt2.py", *TINY, "--data_dir", shards, "--log_dir", log_dir, *flags, *more,
+                         preexec_fn=preexec_fn)
     assert fsdp(tmp_path / "full").returncode == 0
     full = read_log(tmp_path / "full")
     assert fsdp(tmp_path / "killed", "--async_checkpoint", "--fault", "sigkill@5").returncode != 0
