@@ -65,6 +65,26 @@ def error_of(capsys, *flags):
     return lines[0]
 
 
+# A trainer whose every rank says why it stops (only rank 0 prints the error line), for the tests that
+# refuse a checkpoint on several ranks.
+RANK_STOPS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import train_gpt2
+real_train = train_gpt2.train
+
+
+def train(cfg):  # each rank says why it stops: only rank 0 prints the error line
+    try:
+        return real_train(cfg)
+    except Exception as e:
+        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())  # one write: lines never interleave
+        raise
+train_gpt2.train = train
+train_gpt2.main()
+"""
+
+
 COMPILED_TRAIN = """
 import functools, sys
 import torch

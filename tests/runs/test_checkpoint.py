@@ -21,7 +21,7 @@ from helpers import REPO
 from helpers.files import EXAMPLES, WritesAFile, declare_bytes, read_metadata, write_jsonl
 from helpers.models import make_tiny_gpt, save_as_checkpoint
 from helpers.processes import exit_message, one_line_error, run_bounded, run_ranks, said_errors
-from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, train
+from helpers.runs import RANK_STOPS, TINY, TINY_CONFIG, assert_same_run, error_of, train
 from model import GPT, GPTConfig
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -473,25 +473,6 @@ def test_random_states_that_cannot_be_restored_are_one_line_naming_the_rank(bad,
             checkpoint.RandomStates(dropout).load_state_dict(saved)
         assert str(e.value) == f"ckpt_000004.pt: its rng cannot be restored ({problem})"
         assert torch.equal(torch.get_rng_state(), before)
-
-
-RANK_STOPS = """
-import os, sys
-sys.path.insert(0, {repo!r})
-import train_gpt2
-real_train = train_gpt2.train
-
-
-def train(cfg):  # each rank says why it stops: only rank 0 prints the error line
-    try:
-        return real_train(cfg)
-    except Exception as e:
-        # One write, so that the two ranks' lines never interleave.
-        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())
-        raise
-train_gpt2.train = train
-train_gpt2.main()
-"""
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from gpt2repro.runs import checkpoint, checkpoint_files, model_weights
 from helpers import REPO
 from helpers.files import WritesAFile, write_token_shards
 from helpers.processes import run_ranks, said_errors
-from helpers.runs import TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train, train_records
+from helpers.runs import (RANK_STOPS, TINY, TINY_CONFIG, assert_same_run, error_of, final_weights, read_log, train,
+                          train_records)
 from model import GPT, GPTConfig
 
 RUN = ["--total_batch_size", "256", "-B", "8", "--max_steps", "6", "--checkpoint_interval", "4"]
@@ -264,27 +265,9 @@ def test_a_sharded_checkpoint_whose_head_is_not_its_embedding_is_refused(tmp_pat
     checkpoint_files.save_dcp(str(tmp_path / "ckpt"), {"model": parts["model"].dcp_state_dict()}, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint_files.load_parts(checkpoint_files.ShardedCheckpoint(str(tmp_path / "ckpt"), {}),
-                              {"model": model_weights.ModelPart(GPT(GPTConfig(**TINY_CONFIG)))})
+                                    {"model": model_weights.ModelPart(GPT(GPTConfig(**TINY_CONFIG)))})
     assert str(e.value) == (f"{tmp_path / 'ckpt'}: its model cannot be restored (lm_head.weight differs from "
                             f"transformer.wte.weight, which GPT-2's head is (one tensor, tied))")
-
-
-RANK_STOPS = """
-import os, sys
-sys.path.insert(0, {repo!r})
-import train_gpt2
-real_train = train_gpt2.train
-
-
-def train(cfg):  # each rank says why it stops: only rank 0 prints the error line
-    try:
-        return real_train(cfg)
-    except Exception as e:
-        os.write(1, f"rank {{os.environ['RANK']}} stops: {{e}}\\n".encode())  # one write: lines never interleave
-        raise
-train_gpt2.train = train
-train_gpt2.main()
-"""
 
 
 @pytest.mark.slow
