@@ -498,6 +498,20 @@ def test_the_profile_counts_each_moment_once():
     assert [r["category"] for r in on_cpu] == CATEGORIES + ["idle"]
 
 
+def test_a_profile_table_keeps_its_columns_apart_when_a_number_outgrows_its_width(capsys):
+    """Under load a copy's ratio to its floor reaches millions: wider than its column, it still
+    stands apart from the floor before it, so the table splits into its five columns."""
+    rows = [dict(category="copies", ms_per_step=123_456.7, share=15.8, floor_ms_per_step=4.2e-05, ratio=12_345_678.9),
+            dict(category="idle", ms_per_step=9.0, share=8.0)]
+    step_profile.print_profile(dict(config="c", steps=1, wall_ms_per_step=1_234_567.8, rows=rows, floor_ms_per_step=15.9,
+                                    ratio=77_777.7, ceilings=dict(matmul_flops_per_sec=1e12, copy_bytes_per_sec=1e9),
+                                    idle_means="", trace="t"))
+    table = capsys.readouterr().out.splitlines()[5:8]
+    assert [line.split() for line in table] == [["copies", "123,456.7", "15.8%", "4.2e-05", "12,345,678.9x"],
+                                                ["idle", "9.0", "8.0%"],
+                                                ["step", "1,234,567.8", "100.0%", "15.9", "77,777.7x"]]
+
+
 def test_profile_on_the_cpu_prints_a_table_of_the_step_and_writes_the_trace(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--quick", "--device", "cpu", "--parts", "train", "--baseline", "0", "--steps", "1", "--warmup", "1",

@@ -161,7 +161,8 @@ def print_profile(result):
     print(f"{'category':<14}{'ms/step':>10}{'share':>8}{'floor':>11}{'ratio':>12}")
     for row in result["rows"] + [dict(category="step", ms_per_step=result["wall_ms_per_step"], share=100,
                                       floor_ms_per_step=result["floor_ms_per_step"], ratio=result["ratio"])]:
-        floor = f"{row['floor_ms_per_step']:>11.3g}{row['ratio']:>11,.1f}x" if "ratio" in row else ""
-        print(f"{row['category']:<14}{row['ms_per_step']:>10,.1f}{row['share']:>7.1f}%{floor}")
+        # Each number after a space of its own: one wider than its column (a ratio of millions) never merges with the next.
+        floor = f" {row['floor_ms_per_step']:>10.3g} {row['ratio']:>10,.1f}x" if "ratio" in row else ""
+        print(f"{row['category']:<13} {row['ms_per_step']:>9,.1f} {row['share']:>6.1f}%{floor}")
     print(f"idle: {result['idle_means']}")
     print(f"trace: {result['trace'] or 'not written'}")
