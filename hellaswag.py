@@ -32,7 +32,7 @@ from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, pick_dtype
 from gpt2repro.common.distributed import every_rank
-from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines
+from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines, unicode_problem
 from gpt2repro.common.progress import progress_meter
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
 from gpt2repro.runs.dcp_reader import CheckpointError
@@ -76,10 +76,8 @@ def parse_example(line):
     if not isinstance(endings, list) or len(endings) != N_ENDINGS or not all(isinstance(e, str) and e for e in endings):
         raise ValueError(f"endings must be a list of {N_ENDINGS} non-empty strings")
     for field, text in [("ctx", ctx), *((f"ending {i}", ending) for i, ending in enumerate(endings))]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON's \ud800 escape decodes to a lone surrogate, which no text holds
-            raise ValueError(f"{field} holds {text[e.start]!r}, a lone surrogate: not Unicode text") from None
+        if problem := unicode_problem(text):
+            raise ValueError(f"{field} {problem}")
     # The original files hold ints; other copies (Hugging Face's) hold digit strings.
     if isinstance(label, str) and label in [str(i) for i in range(N_ENDINGS)]:
         label = int(label)
