@@ -34,6 +34,7 @@ from gpt2repro.common.devices import autocast, pick_dtype
 from gpt2repro.common.distributed import every_rank
 from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines, unicode_problem
 from gpt2repro.common.progress import progress_meter
+from gpt2repro.lm.continuations import logits_per_chunk
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
 from gpt2repro.runs.dcp_reader import CheckpointError
 from gpt2repro.runs.loading import check_source, load_model_on
@@ -44,9 +45,6 @@ CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag"
 SPLIT_SIZES = {"train": 39905, "val": 10042}  # examples per file; a different count means a bad file
 N_ENDINGS = 4
 PAD_ID = 0  # any valid id: padding comes after every real token, so no real position attends to it
-# Float32 logits computed at once when scoring: on a CPU 16 MB, which stays in its caches; on a
-# GPU 1 GiB (1,300 positions a matmul at GPT-2's vocabulary), or less where memory is short.
-LOGITS_BYTES = {"cpu": 1 << 24, "gpu": 1 << 30}
 
 
 class HellaSwagError(Exception):
@@ -232,15 +230,6 @@ def ending_losses(model, rows, device, dtype=torch.float32):
     token_losses[scored] = torch.cat(losses)
     total = token_losses.sum(dim=1)
     return total, total / scored.sum(dim=1)
-
-
-def logits_per_chunk(device):
-    """How many float32 logits ending_losses computes at once on device (see LOGITS_BYTES)."""
-    if device.type != "cuda":
-        return LOGITS_BYTES["cpu"] // 4
-    free, _ = torch.cuda.mem_get_info(device)
-    # Up to an eighth of what is free: the cross-entropy makes a copy or two of them.
-    return min(LOGITS_BYTES["gpu"], free // 8) // 4
 
 
 def score_batches(model, examples, device, batch_size=16, dtype=torch.float32):
