@@ -17,10 +17,13 @@ import torch
 from torch.nn import functional as F
 
 import core_eval
+import train_gpt2
 from gpt2repro.lm.tokenizer import EOT, get_encoding
+from gpt2repro.runs.loading import load_model
 from hellaswag import ScoringConfig
 from helpers.models import make_tiny_gpt
 from helpers.processes import exit_message
+from helpers.runs import train
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -578,3 +581,39 @@ def test_two_ranks_give_one_process_result(bundle, checkpoint, tmp_path):
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert without_times(two) == without_times(one)
     assert sorted(os.listdir(tmp_path)) == ["one.json", "two.json"]  # rank 1 wrote nothing
+
+
+# -----------------------------------------------------------------------------
+# during training
+
+
+@pytest.mark.slow
+def test_training_logs_the_core_of_its_checkpoints(shards, bundle, tmp_path, capsys):
+    """CORE at every --core_interval steps and at the end, in log.jsonl, equal to core_eval's of the
+    checkpoint the run ends with."""
+    records = train(shards, tmp_path / "log", "--total_batch_size", "256", "-B", "8", "--vocab_size", "50304",
+                    "--max_steps", "3", "--core_interval", "2", "--core_limit", "4", "--core_path", bundle)
+    core = [r for r in records if "core" in r]
+    assert [(r["step"], r["core_n"], sorted(r["core_accuracy"])) for r in core] == [
+        (2, 12, ["lm", "mc", "schema"]), (3, 12, ["lm", "mc", "schema"])]
+    assert "step     3 | CORE " in capsys.readouterr().out
+    model = load_model(str(tmp_path / "log" / "ckpt_000003.pt")).eval()
+    loaded = [core_eval.load_task(task, model.config.block_size, 4) for task in core_eval.read_bundle(bundle)]
+    result = core_eval.evaluate(model, loaded, ScoringConfig("cpu"))
+    assert core[-1]["core"] == result["core"]
+    assert core[-1]["core_accuracy"] == {label: t["accuracy"] for label, t in result["tasks"].items()}
+
+
+def test_training_skips_core_with_a_note_where_it_cannot_score_it(bundle, tmp_path):
+    notes = []
+    cfg = train_gpt2.parse_args(["--core_path", str(tmp_path / "absent")])
+    assert core_eval.load_for_run(cfg.eval, cfg.model, notes.append) is None
+    assert notes == [f"note: no CORE bundle at {tmp_path / 'absent'}: skipping CORE (`python core_eval.py "
+                     f"--download_only` fetches it to {core_eval.BUNDLE_DIR})"]
+    cfg = train_gpt2.parse_args(["--core_path", bundle, "--vocab_size", "256"])
+    assert core_eval.load_for_run(cfg.eval, cfg.model, notes.append) is None
+    assert notes[-1] == "note: skipping CORE: a vocabulary of 256 cannot hold GPT-2's 50257 token ids"
+    cfg = train_gpt2.parse_args(["--core_path", str(tmp_path / "absent"), "--core_interval", "0"])
+    assert core_eval.load_for_run(cfg.eval, cfg.model, notes.append) is None and len(notes) == 2
+    cfg = train_gpt2.parse_args(["--core_path", bundle, "--core_limit", "2"])
+    assert [len(t.lines) for t in core_eval.load_for_run(cfg.eval, cfg.model, notes.append)] == [2, 2, 2]
