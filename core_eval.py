@@ -149,7 +149,9 @@ def read_task_list(path):
     except FileNotFoundError:
         raise CoreError(f"{path}: no such file: not an eval bundle (`python core_eval.py --download_only` "
                         f"fetches nanochat's)") from None
-    except (OSError, UnicodeDecodeError, UnreadableFile) as e:
+    except UnreadableFile as e:  # it names the file
+        raise CoreError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
         raise CoreError(f"{path}: cannot read it ({first_line(e)})") from None
     except (yaml.YAMLError, RecursionError) as e:
         raise CoreError(f"{path}: not YAML ({first_line(e)})") from None
@@ -207,7 +209,9 @@ def read_baselines(path):
         found = {row["Eval Task"]: (row["Random baseline"], rows.line_num) for row in rows}
     except FileNotFoundError:
         raise CoreError(f"{path}: no such file: an eval bundle holds one beside core.yaml") from None
-    except (OSError, UnicodeDecodeError, UnreadableFile, csv.Error) as e:
+    except UnreadableFile as e:  # it names the file
+        raise CoreError(str(e)) from None
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise CoreError(f"{path}: cannot read it ({first_line(e)})") from None
 
     def baseline(task):

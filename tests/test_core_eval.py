@@ -444,6 +444,16 @@ def test_a_bad_bundle_is_one_line_naming_the_file_and_line(checkpoint, tmp_path,
     assert not out.exists() and os.listdir(tmp_path) == ["bad"]  # nothing written
 
 
+@pytest.mark.parametrize("name", ["core.yaml", "eval_meta_data.csv", os.path.join("eval_data", "kinds", "lm.jsonl")])
+def test_a_bundle_file_that_never_ends_is_refused_unread(checkpoint, tmp_path, capsys, name):
+    """A FIFO would wait for a writer forever, /dev/zero never end: refused as not regular files."""
+    directory = write_bundle(tmp_path / "bundle")
+    os.remove(os.path.join(directory, name))
+    os.mkfifo(os.path.join(directory, name))
+    error = exit_message(capsys, core_eval.main, "-m", checkpoint, "--data", directory, "--device", "cpu")
+    assert error == f"core_eval.py: error: {os.path.join(directory, name)}: a FIFO, not a regular file"
+
+
 # -----------------------------------------------------------------------------
 # the download, from a server on 127.0.0.1
 
