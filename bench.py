@@ -1,5 +1,5 @@
-"""Benchmarks: training, tokenizing, the data loader, HellaSwag scoring and generation, each
-measured beside a plain baseline in the same run, so every number is also a ratio, and the
+"""Benchmarks: training, tokenizing, the data loader, HellaSwag and CORE scoring and generation,
+each measured beside a plain baseline in the same run, so every number is also a ratio, and the
 device's dense matmul rate, the ceiling the FLOP rates are read against. It asserts nothing.
 
     python bench.py                                   # GPT-2 (124M) sizes on a GPU, small ones on a CPU
@@ -41,6 +41,7 @@ import torch
 import torch._inductor.config
 from torch.nn import functional as F
 
+import core_eval
 import fineweb
 import hellaswag
 from gpt2repro.benchmark import peers, step_profile
@@ -50,6 +51,7 @@ from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from gpt2repro.common.distributed import RunError
 from gpt2repro.lm import generate
+from gpt2repro.lm.continuations import branch_scores
 from gpt2repro.lm.data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
 from gpt2repro.lm.loss import LOSSES, has_triton, pick_loss
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
@@ -59,7 +61,7 @@ from gpt2repro.training.step import StepConfig, StepOutOfMemory, build_trainable
 from gpt2repro.training.train_config import TrainConfig, split_problem
 from model import ATTENTION_KERNELS, GPT, PRETRAINED, RECOMPUTE, GPTConfig
 
-PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "generate")
+PARTS = ("matmul", "train", "tokenize", "loader", "hellaswag", "core", "generate")
 PEERS = "peers"  # a part that runs only when named: other projects' trainers beside this one (peers.py)
 # What the trainer's step (step.py) does beyond the plain loop, that --levers switches off one at a
 # time: torch.compile; AdamW's fused CUDA kernel; the vocabulary padded from 50257 to 50304
@@ -727,8 +729,8 @@ def bench_tokenize(args, record):
 
 # ----------------------------------------------------------------------------- hellaswag
 
-def synthetic_examples(n, seed=0):
-    """n examples shaped like HellaSwag's (contexts of 20-80 words, endings of 8-40), cut
+def synthetic_examples(n, seed=0, context=(20, 80), ending=(8, 40)):
+    """n examples shaped like HellaSwag's (contexts of 20-80 words, endings of 8-40, by default), cut
     from Tiny Shakespeare at random places: for timing, not for accuracy."""
     with open(TINY_SHAKESPEARE, encoding="utf-8") as f:
         words = f.read().split()
@@ -739,7 +741,7 @@ def synthetic_examples(n, seed=0):
         start = rng.randrange(len(words) - k)
         return " ".join(words[start: start + k])
 
-    return [{"ctx": passage(20, 80), "endings": [passage(8, 40) for _ in range(4)], "label": rng.randrange(4)}
+    return [{"ctx": passage(*context), "endings": [passage(*ending) for _ in range(4)], "label": rng.randrange(4)}
             for _ in range(n)]
 
 
@@ -810,6 +812,84 @@ def bench_hellaswag(args, device, record):
     for variant, s in seconds.items():
         record(dict(name="hellaswag", variant=variant, examples_per_sec=n / s, flops_per_sec=flops / s,
                     config=config.format(batch_size if variant == "batched" else 1)))
+
+
+# ----------------------------------------------------------------------------- core
+
+# Words of context and of each ending of core's 10-shot examples: prompts that fit GPT-2's 1,024 tokens
+# (as ARC's, PIQA's, most of HellaSwag's), whose rows share their start; and HellaSwag's longest, cut
+# from the left by as many tokens as each answer adds, so that no two rows share.
+CORE_SHAPES = {"fits": ((15, 45), (5, 20)), "cut": ((20, 80), (8, 40))}
+
+
+def bench_core(args, device, record):
+    """Examples per second of 10-shot multiple choice (4 choices, Tiny Shakespeare's words) of each
+    CORE_SHAPES: core_eval.py's scoring batched, the same at one example a forward pass (an example's
+    shared start computed once either way), and the plain way, nanochat's: one example's rows a
+    forward pass, each row whole, every position's logits. Turns on chunks, as in bench_hellaswag."""
+    device_type = device.split(":")[0]
+    if args.quick:
+        size, n, batch_size = dict(n_layer=2, n_head=2, n_embd=64), 4, 2
+    elif device_type == "cuda":
+        size, n, batch_size = PRETRAINED["gpt2"], 512, 16
+    else:  # GPT-2 (124M) on a CPU: the plain way takes seconds an example
+        size, n, batch_size = PRETRAINED["gpt2"], 8, 4
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=PADDED_VOCAB, **size)).to(device).eval()
+    dtype = pick_dtype(args.dtype, device_type)
+    task = core_eval.Task("synthetic", "", "multiple_choice", 10, " ", 25.0)
+    for shape, (context, ending) in CORE_SHAPES.items():
+        pool = [{"query": e["ctx"], "choices": e["endings"], "gold": e["label"]}
+                for e in synthetic_examples(max(n, 64), context=context, ending=ending)]
+        loaded = core_eval.prepare(task, list(enumerate(pool, 1)), model.config.block_size)
+        rows = [core_eval.example_rows(task, pool[i], [pool[j] for j in core_eval.shots_of(i, len(pool), 10)])
+                for i in range(n)]
+        seconds = time_core_variants(model, loaded, rows, batch_size, device, dtype, args.baseline)
+        length = statistics.mean(len(tokens) for example in rows for tokens, _ in example)
+        shared = sum(u.example < n for u in loaded.units) / n
+        for variant, s in seconds.items():
+            record(dict(name="core", variant=variant, examples_per_sec=n / s,
+                        config=f"L{size['n_layer']} C{size['n_embd']}, {n} examples, 10-shot, rows of {length:.0f} "
+                               f"tokens ({shape}: {shared:.2f} prefixes an example), "
+                               f"batch {batch_size if variant == 'batched' else 1}"))
+
+
+def time_core_variants(model, loaded, rows, batch_size, device, dtype, baseline):
+    """{variant: seconds} to score the examples of rows (whose units loaded holds) each way."""
+    def shared(chunk, per_pass):
+        units = [u for u in loaded.units if u.example in chunk]
+        for b in range(0, len(units), per_pass):
+            branch_scores(model, units[b: b + per_pass], device, dtype)  # back on the host: no work left pending
+    variants = {"batched": lambda chunk: shared(chunk, batch_size), "unbatched": lambda chunk: shared(chunk, 1),
+                "baseline": lambda chunk: [score_rows_whole(model, rows[i], device, dtype) for i in chunk]}
+    if not baseline:
+        del variants["baseline"]
+    seconds = dict.fromkeys(variants, 0.0)
+    shared(range(batch_size), batch_size)  # warm-up: allocations, kernel choice
+    names = list(variants)
+    for k, c in enumerate(range(0, len(rows), batch_size)):
+        for variant in names[k % len(names):] + names[: k % len(names)]:
+            t0 = time.perf_counter()
+            variants[variant](range(c, min(len(rows), c + batch_size)))
+            seconds[variant] += time.perf_counter() - t0
+    return seconds
+
+
+def score_rows_whole(model, rows, device, dtype):
+    """The plain way: an example's rows [(tokens, start)] cut to the model's context, right-padded
+    into one forward pass, every position's logits; returns the row of the lowest mean loss."""
+    cut = [(tokens[-model.config.block_size:], start - max(0, len(tokens) - model.config.block_size))
+           for tokens, start in rows]
+    inputs = torch.zeros((len(cut), max(len(t) for t, _ in cut)), dtype=torch.long)
+    for r, (tokens, _) in enumerate(cut):
+        inputs[r, : len(tokens)] = torch.tensor(tokens)
+    inputs = inputs.to(device)
+    with autocast(device.split(":")[0], dtype):
+        logits, _ = model(inputs)
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), inputs[:, 1:].flatten(), reduction="none")
+    losses = losses.view(len(cut), -1)
+    means = [losses[r, start - 1: len(tokens) - 1].mean().item() for r, (tokens, start) in enumerate(cut)]
+    return means.index(min(means))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -950,6 +1030,8 @@ def main(argv=None):
             bench_loader(args, workdir, record)
         if "hellaswag" in args.parts:
             bench_hellaswag(args, device, record)
+        if "core" in args.parts:
+            bench_core(args, device, record)
         if "generate" in args.parts:
             bench_generate(args, device, record)
         if PEERS in args.parts:

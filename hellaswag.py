@@ -34,8 +34,9 @@ from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, pick_dtype
 from gpt2repro.common.distributed import Stopped, every_rank, never_stop
-from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines
+from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines, unicode_problem
 from gpt2repro.common.progress import progress_meter
+from gpt2repro.lm.continuations import logits_per_chunk
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
 from gpt2repro.runs.dcp_reader import CheckpointError
 from gpt2repro.runs.loading import check_source, load_model_on
@@ -46,9 +47,6 @@ CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hellaswag"
 SPLIT_SIZES = {"train": 39905, "val": 10042}  # examples per file; a different count means a bad file
 N_ENDINGS = 4
 PAD_ID = 0  # any valid id: padding comes after every real token, so no real position attends to it
-# Float32 logits computed at once when scoring: on a CPU 16 MB, which stays in its caches; on a
-# GPU 1 GiB (1,300 positions a matmul at GPT-2's vocabulary), or less where memory is short.
-LOGITS_BYTES = {"cpu": 1 << 24, "gpu": 1 << 30}
 
 
 class HellaSwagError(Exception):
@@ -78,10 +76,8 @@ def parse_example(line):
     if not isinstance(endings, list) or len(endings) != N_ENDINGS or not all(isinstance(e, str) and e for e in endings):
         raise ValueError(f"endings must be a list of {N_ENDINGS} non-empty strings")
     for field, text in [("ctx", ctx), *((f"ending {i}", ending) for i, ending in enumerate(endings))]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON's \ud800 escape decodes to a lone surrogate, which no text holds
-            raise ValueError(f"{field} holds {text[e.start]!r}, a lone surrogate: not Unicode text") from None
+        if problem := unicode_problem(text):
+            raise ValueError(f"{field} {problem}")
     # The original files hold ints; other copies (Hugging Face's) hold digit strings.
     if isinstance(label, str) and label in [str(i) for i in range(N_ENDINGS)]:
         label = int(label)
@@ -236,15 +232,6 @@ def ending_losses(model, rows, device, dtype=torch.float32):
     token_losses[scored] = torch.cat(losses)
     total = token_losses.sum(dim=1)
     return total, total / scored.sum(dim=1)
-
-
-def logits_per_chunk(device):
-    """How many float32 logits ending_losses computes at once on device (see LOGITS_BYTES)."""
-    if device.type != "cuda":
-        return LOGITS_BYTES["cpu"] // 4
-    free, _ = torch.cuda.mem_get_info(device)
-    # Up to an eighth of what is free: the cross-entropy makes a copy or two of them.
-    return min(LOGITS_BYTES["gpu"], free // 8) // 4
 
 
 def score_batches(model, examples, device, batch_size=16, dtype=torch.float32, stop_requested=never_stop):

@@ -137,15 +137,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, kv_cache=None, mask=None):
         """kv_cache: this layer's [keys, values] of earlier positions, extended in place
-        (generation only). mask (B, 1, T, positions), True where a query may attend: only for
-        left-padded batches; without it attention is causal over the cache and the new tokens."""
+        (generation, and answers scored after a shared context). mask (B, 1, T, positions), True
+        where a query may attend: for left-padded batches and packed answers; without it attention
+        is causal over the cache and the new tokens."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_size)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             if kv_cache:
-                assert T == 1, "with a warm cache, feed one token at a time"
+                # SDPA's is_causal aligns the queries with the first keys, not the last: after a warm
+                # cache only a lone query, which may see every key, or an explicit mask is right.
+                assert T == 1 or mask is not None, "with a warm cache, feed one token at a time or pass a mask"
                 k = torch.cat([kv_cache[0], k], dim=2)
                 v = torch.cat([kv_cache[1], v], dim=2)
             kv_cache[:] = [k, v]
@@ -247,18 +250,23 @@ class GPT(nn.Module):
         logits = self.padded_head(x)
         return logits[..., : self.n_tokens], masked_cross_entropy(logits, targets, self.n_tokens)
 
-    def hidden_states(self, idx, kv_cache=None, n_pad=None):
+    def hidden_states(self, idx, kv_cache=None, n_pad=None, layout=None):
         """idx (B, T) -> the final hidden states (B, T, n_embd) that the language-model head reads.
         kv_cache: a list of one [] per layer, each extended with that layer's keys and values, so a
         later call feeds only the new tokens (generation). n_pad (B,): how many of each row's first
         positions are left padding (generation of prompts of several lengths); a row's positions
-        count from its first real token, and no position attends to padding."""
+        count from its first real token, and no position attends to padding. layout: (positions
+        (B, T), mask (B, 1, T, cached + T)) of tokens that are not one sequence a row, such as
+        several answers packed after one cached context (core_eval.py); each position below
+        block_size, and the mask True where a query may attend (every query somewhere)."""
         B, T = idx.size()
         start = kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0
-        if start + T > self.config.block_size:
+        if layout is not None:
+            pos, mask = layout
+        elif start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        mask = None
+        else:
+            pos, mask = torch.arange(start, start + T, dtype=torch.long, device=idx.device), None
         if n_pad is not None:
             mask = padding_mask(n_pad, start, T)
             pos = (pos - n_pad[:, None]).clamp(min=0)  # (B, T); the padding's own positions do not matter

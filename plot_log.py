@@ -1,5 +1,6 @@
-"""Plots training runs from their log.jsonl: train and val loss, and HellaSwag acc_norm,
-against OpenAI's GPT-2 (124M) and GPT-3 Small, and prints a summary of each run.
+"""Plots training runs from their log.jsonl: train and val loss, and HellaSwag acc_norm, against
+OpenAI's GPT-2 (124M) and GPT-3 Small, and CORE against GPT-2's four sizes, and prints a summary
+of each run.
 
     python plot_log.py log/                       # writes log/plot.png
     python plot_log.py log_a/ log_b/ -o runs.png  # several runs on one figure
@@ -22,6 +23,7 @@ import matplotlib.pyplot as plt
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
 
+from core_eval import GPT2_CORE
 from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.inputs import brief, first_line, parse_json
@@ -31,8 +33,8 @@ from gpt2repro.common.inputs import brief, first_line, parse_json
 GPT2_VAL_LOSS = 3.2924
 GPT2_HELLASWAG = 0.2955
 GPT3_HELLASWAG = 0.337
-FIGSIZE, DPI = (14, 5), 100  # 1400 x 500 pixels
-SERIES = dict(train="train_loss", val="val_loss", hellaswag="hellaswag_acc_norm")  # a run's series: their log fields
+FIGSIZE, DPI = (21, 5), 100  # 2100 x 500 pixels
+SERIES = dict(train="train_loss", val="val_loss", hellaswag="hellaswag_acc_norm", core="core")  # their log fields
 
 
 def read_log(path):
@@ -118,17 +120,18 @@ def human(n, spec=".2f"):
 def summary(run):
     parts = [f"{run['label']}: {run['steps']} steps, {human(run['tokens'])} tokens"]
     for name, (steps, _, values), best in (("val loss", run["val"], min),
-                                           ("HellaSwag acc_norm", run["hellaswag"], max)):
+                                           ("HellaSwag acc_norm", run["hellaswag"], max),
+                                           ("CORE", run["core"], max)):
         if values:
             value, step = best(zip(values, steps), key=lambda vs: vs[0])
             parts.append(f"best {name} {value:.4f} (step {step})")
-        else:
+        elif name != "CORE":  # a run that never scored CORE (no bundle) says nothing of it
             parts.append(f"no {name}")
     return "; ".join(parts)
 
 
 def plot(runs, out, image_format, x):
-    fig, (ax_loss, ax_hs) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, sharex=True)
+    fig, (ax_loss, ax_hs, ax_core) = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     i = 0 if x == "step" else 1  # series are (steps, tokens, values)
     for n, run in enumerate(runs):
@@ -136,15 +139,20 @@ def plot(runs, out, image_format, x):
         ax_loss.plot(run["train"][i], run["train"][2], color=color, alpha=0.4, lw=0.8, label=f"{name}train")
         ax_loss.plot(run["val"][i], run["val"][2], color=color, lw=2, label=f"{name}val")
         ax_hs.plot(run["hellaswag"][i], run["hellaswag"][2], color=color, lw=2, marker=".", label=run["label"])
+        ax_core.plot(run["core"][i], run["core"][2], color=color, lw=2, marker=".", label=run["label"])
     ax_loss.axhline(GPT2_VAL_LOSS, color="k", ls="--", lw=1, label=f"OpenAI GPT-2 (124M) val loss {GPT2_VAL_LOSS}")
     ax_hs.axhline(GPT2_HELLASWAG, color="k", ls="--", lw=1, label=f"OpenAI GPT-2 (124M) {GPT2_HELLASWAG}")
     ax_hs.axhline(GPT3_HELLASWAG, color="k", ls=":", lw=1, label=f"OpenAI GPT-3 Small {GPT3_HELLASWAG}")
-    if not any(run["hellaswag"][0] for run in runs):
-        ax_hs.text(0.5, 0.5, "no HellaSwag evaluations in the log", transform=ax_hs.transAxes, ha="center")
+    for (size, core), style in zip(GPT2_CORE.items(), ("--", "-.", ":", (0, (1, 4)))):
+        ax_core.axhline(core, color="k", ls=style, lw=1, label=f"OpenAI {size} {core}")
+    for ax, name in ((ax_hs, "HellaSwag"), (ax_core, "CORE")):
+        if not any(run[name.lower()][0] for run in runs):
+            ax.text(0.5, 0.5, f"no {name} evaluations in the log", transform=ax.transAxes, ha="center")
     ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
     ax_hs.set(title="HellaSwag acc_norm", ylabel="accuracy")
-    tokens_axis(runs, x, (ax_loss, ax_hs))
-    for ax in (ax_loss, ax_hs):
+    ax_core.set(title="CORE (core_eval.py)", ylabel="mean centered accuracy")
+    tokens_axis(runs, x, (ax_loss, ax_hs, ax_core))
+    for ax in (ax_loss, ax_hs, ax_core):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -171,7 +179,7 @@ def tokens_axis(runs, x, axes):
 
 
 def main(argv=None):
-    parser = Parser(prog="plot_log.py", description="Plot loss and HellaSwag of training runs from their log.jsonl.")
+    parser = Parser(prog="plot_log.py", description="Plot loss, HellaSwag and CORE of training runs from their log.jsonl.")
     parser.add_argument("logs", nargs="+", help="log directories of train_gpt2.py (or log.jsonl files)")
     parser.add_argument("-o", "--out", help="the image to write; its extension names the format (default: plot.png "
                                             "beside the first log, in its run's directory)")

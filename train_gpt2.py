@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import core_eval
 import fineweb
 import hellaswag
 from gpt2repro.common import devices, distributed
@@ -80,6 +81,7 @@ class Run:
     val_loader: ShardLoader  # None without val shards
     evaluation: Evaluation
     hellaswag_examples: list  # None when not scored
+    core_tasks: list  # core_eval's LoadedTasks; None when not scored
     start_step: int
     metrics: MetricsLog
     checkpointer: Checkpointer
@@ -114,6 +116,7 @@ def setup(cfg):
     train_loader, val_loader = load_data(cfg, raw_model.config, micro_batch, procs)
     evaluation = settle_evaluation(cfg, raw_model.config, val_loader, procs.log)
     hellaswag_examples = hellaswag.load_for_run(cfg.eval, procs.local_rank, raw_model.config, procs.log)
+    core_tasks = core_eval.load_for_run(cfg.eval, raw_model.config, procs.log)
     trainable = build_trainable(raw_model, procs.device, step_config, init=init)
     torch.manual_seed(cfg.runtime.seed + procs.rank)  # the init was every rank's alike; dropout's masks are each rank's own
     if cfg.optimizer.name == "muon":
@@ -123,7 +126,7 @@ def setup(cfg):
     keep_before = None if start_step >= cfg.schedule.max_steps else start_step
     metrics = on_every_rank(MetricsLog, cfg.log_dir, keep_before, procs.rank == 0, mirrors, log_dir_lock)
     return Run(cfg, procs.rank, procs.world_size, procs.log, trainable, train_loader, val_loader, evaluation,
-               hellaswag_examples, start_step, metrics, checkpointer, log_dir_lock)
+               hellaswag_examples, core_tasks, start_step, metrics, checkpointer, log_dir_lock)
 
 
 def start_processes(cfg):
@@ -370,12 +373,15 @@ def log_step(run, step, result, seconds, bad_steps):
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate_at(run, step, last_step, stop_requested):
-    """The evaluations due at step: the val loss and HellaSwag every --eval_interval steps, the
-    samples every --sample_interval, each at the last step too. Returns the val loss, None where
-    none was taken. Each asks stop_requested before its every batch, on every rank: Stopped."""
+    """The evaluations due at step: the val loss and HellaSwag every --eval_interval steps, CORE
+    every --core_interval (not at step 0), the samples every --sample_interval, each at the last
+    step too. Returns the val loss, None where none was taken. Each asks stop_requested before its
+    every batch, on every rank: Stopped."""
     val_loss = None
     if run.cfg.eval.eval_interval and (step % run.cfg.eval.eval_interval == 0 or last_step):
         val_loss = evaluate(run, step, stop_requested)
+    if run.core_tasks and ((step > 0 and step % run.cfg.eval.core_interval == 0) or last_step):
+        evaluate_core(run, step, stop_requested)
     samples = run.evaluation.sample_interval
     if samples and (step % samples == 0 or last_step) and step > 0:
         write_samples(run, step, stop_requested)
@@ -399,6 +405,20 @@ def evaluate(run, step, stop_requested):
         run.log(f"step {step:5d} | hellaswag acc_norm {acc_norm:.4f} ({n} examples)")
         run.metrics.write(step=step, tokens=tokens, hellaswag_acc_norm=acc_norm, hellaswag_acc=acc, hellaswag_n=n)
     return val_loss
+
+
+def evaluate_core(run, step, stop_requested):
+    """CORE on every rank, each scoring its share of each task's examples through the plain module in
+    evaluation mode, logged by rank 0 with each task's accuracy; Stopped where stop_requested says so."""
+    model = run.trainable.raw_model
+    scoring = hellaswag.ScoringConfig(run.trainable.device, dtype=run.trainable.step_config.dtype,
+                                      progress=run.rank == 0)
+    with devices.evaluating(model), fsdp.root_gathered(model):
+        result = core_eval.evaluate(model, run.core_tasks, scoring, run.rank, run.world_size, stop_requested)
+    n = sum(task["n"] for task in result["tasks"].values())
+    run.log(f"step {step:5d} | CORE {result['core']:.4f} ({len(result['tasks'])} tasks, {n:,} examples)")
+    run.metrics.write(step=step, tokens=step * run.cfg.batch.total_batch_size, core=result["core"], core_n=n,
+                      core_accuracy={label: task["accuracy"] for label, task in result["tasks"].items()})
 
 
 def write_samples(run, step, stop_requested):

@@ -21,10 +21,10 @@ from model import ATTENTION_KERNELS, GPT, GPTConfig, n_params
 
 FIGURES = {"matmul": ["flops_per_sec"], "copy": ["bytes_per_sec"], "train": ["tokens_per_sec", "ms_per_step"], "tokenize": ["tokens_per_sec"],
            "loader": ["batches_per_sec", "rss_bytes"], "hellaswag": ["examples_per_sec", "flops_per_sec"],
-           "generate": ["tokens_per_sec"]}
+           "core": ["examples_per_sec"], "generate": ["tokens_per_sec"]}
 VARIANTS = {"matmul": {"ceiling"}, "copy": {"ceiling"}, "train": {"project", "baseline"}, "tokenize": {"project", "baseline"},
             "loader": {"project", "baseline"}, "hellaswag": {"batched", "unbatched", "baseline"},
-            "generate": {"batched", "unbatched"}}
+            "core": {"batched", "unbatched", "baseline"}, "generate": {"batched", "unbatched"}}
 
 
 @pytest.mark.slow

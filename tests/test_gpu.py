@@ -131,3 +131,34 @@ def test_left_padded_generation_with_the_kv_cache_in_bf16_matches_the_whole_forw
         real = slice(pad, None)  # the padding positions' own logits do not matter
         torch.testing.assert_close(cached[row, real], whole[row, real], rtol=0, atol=0.1)
         assert (cached[row, 30:].argmax(-1) == whole[row, 30:].argmax(-1)).float().mean() > 0.9
+
+
+def test_core_eval_runs_on_cuda_and_scores_as_on_the_cpu(tmp_path):
+    """core_eval.py on the GPU: float32's row scores (through the KV cache and the packed mask) equal
+    the CPU's, bf16's within its tolerance; and the script's JSON in float32 is the CPU's, example by example."""
+    import json
+
+    import core_eval
+    from hellaswag import ScoringConfig
+    from helpers.models import make_tiny_gpt
+    from helpers.processes import run_script
+    from test_core_eval import save_checkpoint, write_bundle
+    bundle = write_bundle(tmp_path / "bundle")
+    model = make_tiny_gpt(block_size=32)
+    loaded = [core_eval.load_task(task, 32) for task in core_eval.read_bundle(bundle)]
+    on_cpu = [core_eval.score_rows(model, task, ScoringConfig("cpu", 4)) for task in loaded]
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        on_gpu = [core_eval.score_rows(model.cuda(), task, ScoringConfig("cuda:0", 4, dtype)) for task in loaded]
+        for cpu_task, gpu_task in zip(on_cpu, on_gpu):
+            for i, rows in cpu_task.items():
+                means = [mean for mean, _ in rows]
+                assert [mean for mean, _ in gpu_task[i]] == pytest.approx(means, rel=tolerance, abs=tolerance, nan_ok=True)
+    ckpt = save_checkpoint(model.cpu(), tmp_path / "ckpt.pt")
+    results = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.json"
+        proc = run_script("core_eval.py", "-m", ckpt, "--data", bundle, "--device", device, "--dtype", "float32",
+                          "--json", out)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[device] = json.loads(out.read_text())
+    assert results["cuda"]["examples"] == results["cpu"]["examples"]

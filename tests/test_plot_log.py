@@ -55,11 +55,11 @@ def test_plot_and_summary_of_two_runs(tmp_path):
     ]
     assert "run_a/log.jsonl:125: skipping a damaged line" in result.stderr
     assert "run_a/log.jsonl:127: skipping a truncated last line" in result.stderr
-    assert png_size(tmp_path / "runs.png") == (1400, 500)
+    assert png_size(tmp_path / "runs.png") == (2100, 500)
     # Without -o, beside the first run, not in the directory it was started from.
     result = run_script("plot_log.py", "run_b", "run_a", cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == f"wrote {os.path.join('run_b', 'plot.png')}"
-    assert png_size(tmp_path / "run_b" / "plot.png") == (1400, 500) and not (tmp_path / "plot.png").exists()
+    assert png_size(tmp_path / "run_b" / "plot.png") == (2100, 500) and not (tmp_path / "plot.png").exists()
 
 
 def test_the_axes_hold_every_point_plotted_the_first_steps_too(tmp_path, monkeypatch):
@@ -172,3 +172,21 @@ def test_logs_kept_under_names_of_their_own_are_named_by_file(tmp_path):
     paths = [tmp_path / "results" / "adamw.jsonl", tmp_path / "results" / "muon.jsonl", tmp_path / "run" / "log.jsonl"]
     assert [plot_log.load_run(str(p))["label"] for p in paths] == [
         str(tmp_path / "results" / "adamw"), str(tmp_path / "results" / "muon"), str(tmp_path / "run")]
+
+
+def test_core_is_drawn_beside_gpt2s_four_sizes_and_summed_up(tmp_path, monkeypatch, capsys):
+    write_log(tmp_path / "run", 40, best_val=3.1, best_hellaswag=0.31)
+    with open(tmp_path / "run" / "log.jsonl", "a") as f:
+        for step, core in ((20, 0.08), (40, 0.12)):
+            f.write(json.dumps(dict(step=step, tokens=step * TOKENS_PER_STEP, core=core, core_n=11000,
+                                    core_accuracy={"arc_easy": 0.4})) + "\n")
+    figures = []
+    monkeypatch.setattr(plot_log.plt, "close", figures.append)
+    plot_log.main([str(tmp_path / "run")])
+    core_axes = figures[0].axes[2]
+    lines = {line.get_label(): list(line.get_ydata()) for line in core_axes.get_lines()}
+    assert lines[str(tmp_path / "run")] == [0.08, 0.12]
+    assert {label: ys[0] for label, ys in lines.items() if label.startswith("OpenAI")} == {
+        "OpenAI gpt2 0.1139": 0.1139, "OpenAI gpt2-medium 0.1849": 0.1849, "OpenAI gpt2-large 0.2146": 0.2146,
+        "OpenAI gpt2-xl 0.2565": 0.2565}
+    assert capsys.readouterr().out.splitlines()[0].endswith("; best CORE 0.1200 (step 40)")

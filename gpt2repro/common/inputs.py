@@ -34,6 +34,16 @@ def parse_json(text):
         raise ValueError("nested too deep for Python's parser") from None
 
 
+def unicode_problem(text):
+    """Why a string decoded from a user's JSON is not Unicode text, or None: JSON's \\ud800 escape
+    decodes to a lone surrogate, which no text holds (UTF-8 cannot encode it, nor the tokenizer read it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds {text[e.start]!r}, a lone surrogate: not Unicode text"
+    return None
+
+
 PLAIN_TYPES = (str, int, float, bool, type(None))
 
 

@@ -25,7 +25,7 @@ from gpt2repro.training.optimizers import OptimizerConfig
 from model import RECOMPUTE, GPTConfig
 
 PRESETS = preset_names()
-REPOSITORY_PATHS = ("data_dir", "hellaswag_path")  # in a preset, relative to the repository: its bundled files
+REPOSITORY_PATHS = ("data_dir", "hellaswag_path", "core_path")  # in a preset, relative to the repository: its bundled files
 AUTO_MAX_MICRO_BATCH = 64  # -B auto's ceiling: the 124M recipe's micro-batch (past it a GPU gains little)
 
 
@@ -114,17 +114,23 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Val loss, HellaSwag and samples during the run."""
+    """Val loss, HellaSwag, CORE and samples during the run."""
     eval_interval: int = setting(250, "val loss and HellaSwag every N steps and at the end (0: never)")
     val_steps: int = setting(20, "micro-batches per val loss")
     hellaswag: int = setting(1, "HellaSwag acc_norm at every eval", choices=[0, 1])
     hellaswag_path: str | None = setting(None, "local HellaSwag jsonl (default: download the val split once)")
     hellaswag_limit: int = setting(0, "score only the first N examples (0: all)")
+    core_interval: int = setting(2000, "CORE (core_eval.py) every N steps and at the end (0: never); skipped with a "
+                                       "note where its bundle is missing")
+    core_path: str | None = setting(None, "the CORE eval bundle (default: eval_bundle/ beside core_eval.py, which "
+                                          "`python core_eval.py --download_only` fills)")
+    core_limit: int = setting(500, "CORE examples per task, the first of each task's shuffled order (nanochat's 500 "
+                                   "while training; 0: all)")
     sample_interval: int = setting(250, "print samples every N steps and at the end (0: never)")
 
     def __post_init__(self):
         check_positive(self, "val_steps")
-        check_not_negative(self, "eval_interval", "hellaswag_limit", "sample_interval")
+        check_not_negative(self, "eval_interval", "hellaswag_limit", "core_interval", "core_limit", "sample_interval")
 
 
 @dataclass(frozen=True)

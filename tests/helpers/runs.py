@@ -10,7 +10,7 @@ from helpers.processes import run_script
 # The tiny training run of train_gpt2.py that the trainer's tests share.
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64", "--vocab_size", "256",
         "-T", "32", "--warmup_steps", "2", "--max_lr", "3e-3", "--hellaswag", "0", "--sample_interval", "0",
-        "--compile", "0", "--device", "cpu", "--dtype", "float32", "--eval_interval", "0"]
+        "--compile", "0", "--device", "cpu", "--dtype", "float32", "--eval_interval", "0", "--core_interval", "0"]
 TINY_CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=256)
 
 

@@ -1,0 +1,682 @@
+"""CORE, the DCLM paper's average of 22 in-context tasks, scored as nanochat scores GPT-2.
+
+    python core_eval.py --download_only                 # fetches nanochat's eval bundle to eval_bundle/, once
+    python core_eval.py -m gpt2                         # downloads it first if it is not there
+    python core_eval.py -m log/ckpt_019073.pt --json core.json
+    python core_eval.py -m log/ --data my_bundle/ --tasks arc_easy,piqa --max_per_task 500
+    torchrun --standalone --nproc_per_node=8 core_eval.py -m gpt2-xl   # the examples split over 8 GPUs
+
+Each task's examples are shuffled with random.Random(1337) and cut to --max_per_task; the example
+at position i gets num_fewshot others, drawn by random.Random(1234 + i).sample. Prompts are the
+few-shot examples, each followed by a blank line, then the example: query + delimiter + choice
+(multiple choice), context option + delimiter + continuation (schema), trimmed context + delimiter +
+continuation (language modeling); <|endoftext|> first, cropped from the left to the model's context.
+Multiple choice and schema pick the row of the lowest mean loss over its own tokens (those after
+the rows' common start, or before their common end); language modeling is right when greedy
+decoding gives every continuation token. centered = (accuracy - baseline) / (1 - baseline), and
+CORE is the mean of the centered accuracies.
+
+The rows of an example share their start: it is computed once, and every row's own tokens read
+its keys and values from the KV cache, packed after it with a mask that keeps each row to itself.
+
+train_gpt2.py scores CORE with load_for_run and evaluate; docs/evaluation.md has the rest.
+"""
+import collections
+import contextlib
+import csv
+import http.client
+import io
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from gpt2repro.common import distributed
+from gpt2repro.common.atomic import atomic_open
+from gpt2repro.common.cli import Parser
+from gpt2repro.common.devices import pick_dtype
+from gpt2repro.common.distributed import Stopped, every_rank, never_stop
+from gpt2repro.common.inputs import (UnreadableFile, brief, first_line, parse_json, read_lines, read_text,
+                                     structure_problem, unicode_problem)
+from gpt2repro.common.progress import progress_meter
+from gpt2repro.lm.continuations import branch_scores, common_start, units_of
+from gpt2repro.lm.tokenizer import EOT, get_encoding, gpt2_vocab_problem
+from gpt2repro.runs.dcp_reader import CheckpointError
+from gpt2repro.runs.loading import check_source, load_model_on
+from gpt2repro.training import fsdp
+from hellaswag import ScoringConfig, open_url
+
+BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's scripts/base_eval.py
+URL_ENV = "CORE_BUNDLE_URL"  # overrides BUNDLE_URL: a mirror, or a local server (the tests)
+BUNDLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_bundle")  # beside hellaswag/
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+SHUFFLE_SEED, FEWSHOT_SEED = 1337, 1234  # nanochat's: the draws behind GPT-2's published figures
+
+# OpenAI's GPT-2 as nanochat measured it (dev/estimate_gpt3_core.ipynb): CORE at each size, and
+# the 124M's accuracy on the tasks the notebook lists.
+GPT2_CORE = {"gpt2": 0.1139, "gpt2-medium": 0.1849, "gpt2-large": 0.2146, "gpt2-xl": 0.2565}
+GPT2_ACCURACY = {"hellaswag_zeroshot": 0.309, "lambada_openai": 0.323, "hellaswag": 0.308, "piqa": 0.623,
+                 "arc_easy": 0.412, "arc_challenge": 0.222}
+
+# Bounds on a bundle, a file from others. The real one's files are a few MB to tens of MB; its
+# tasks take up to 10 examples as shots, and 4 choices.
+MAX_BUNDLE_BYTES = 1 << 30  # the zip, and its unpacked files together
+MAX_MEMBERS = 10_000
+MAX_CONFIG_CHARS = 1 << 20  # core.yaml, eval_meta_data.csv
+MAX_FEWSHOT = 100
+MAX_CHOICES = 100
+MAX_DELIMITER_CHARS = 1000
+
+
+class CoreError(Exception):
+    """A bundle that cannot be had or trusted, or a model that cannot score it: one line."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One of core.yaml's icl_tasks, checked."""
+    label: str
+    path: str  # its examples, a jsonl file
+    kind: str  # one of TASK_TYPES
+    num_fewshot: int
+    delimiter: str  # between a query (context) and its answer (continuation)
+    baseline: float  # accuracy by chance, in percent (eval_meta_data.csv's "Random baseline")
+
+
+@dataclass(frozen=True)
+class LoadedTask:
+    """A task's examples in the protocol's order, as the model scores them."""
+    task: Task
+    lines: list  # each example's line in the task file
+    golds: list  # each example's right answer (None for language modeling)
+    rows: list  # each example's number of rows
+    units: list  # every example's continuations.Units, in example order
+
+
+# -----------------------------------------------------------------------------
+# the bundle
+
+
+def read_bundle(directory, labels=None):
+    """The Tasks of the bundle in directory (core.yaml, eval_meta_data.csv, eval_data/), those of
+    labels only if given, in core.yaml's order. CoreError names the file, the line and the fix."""
+    config = os.path.join(directory, "core.yaml")
+    entries = read_task_list(config)
+    names = [entry.get("label") if isinstance(entry, dict) else None for entry, _ in entries]
+    unknown = [label for label in labels or () if label not in names]
+    if unknown:
+        raise CoreError(f"--tasks: {', '.join(map(brief, unknown))} not in {config} (its tasks: "
+                        f"{', '.join(n for n in names if isinstance(n, str) and len(n) <= 100)})")
+    baselines = read_baselines(os.path.join(directory, "eval_meta_data.csv"))
+    tasks = []
+    for (entry, lines), label in zip(entries, names):
+        if labels and label not in labels:
+            continue
+        task = task_of(entry, lines, config, baselines)
+        if task.label in [t.label for t in tasks]:
+            raise CoreError(f"{config} line {lines['label']}: a second task labelled {task.label!r}: give each its "
+                            f"own label")
+        tasks.append(task)
+    return tasks
+
+
+def read_task_list(path):
+    """[(entry, {key: its line, None: the entry's})] of core.yaml's icl_tasks. Plain YAML only: an alias (which YAML's merge
+    keys expand, each level doubling) is refused, so what is built is no larger than the text."""
+    try:
+        text = read_text(path, MAX_CONFIG_CHARS)
+        events = yaml.parse(text, Loader=yaml.SafeLoader)
+        alias = next((event for event in events if isinstance(event, yaml.AliasEvent)), None)
+        if alias is not None:
+            raise CoreError(f"{path} line {alias.start_mark.line + 1}: a YAML alias (*name): core.yaml is plain data; "
+                            f"write the value out")
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            config = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except FileNotFoundError:
+        raise CoreError(f"{path}: no such file: not an eval bundle (`python core_eval.py --download_only` "
+                        f"fetches nanochat's)") from None
+    except UnreadableFile as e:  # it names the file
+        raise CoreError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CoreError(f"{path}: cannot read it ({first_line(e)})") from None
+    except (yaml.YAMLError, RecursionError) as e:
+        raise CoreError(f"{path}: not YAML ({first_line(e)})") from None
+    problem = structure_problem(config, max_depth=8, max_values=1 << 16)
+    if problem or not isinstance(config, dict) or not isinstance(config.get("icl_tasks"), list) \
+            or not config["icl_tasks"]:
+        raise CoreError(f"{path}: {problem or 'no icl_tasks list'}: not a CORE config")
+    items = [value for key, value in node.value if key.value == "icl_tasks"][-1].value  # the last, as YAML takes it
+    return [(entry, {None: item.start_mark.line + 1, **{key.value: key.start_mark.line + 1 for key, _ in
+                                                         (item.value if isinstance(item, yaml.MappingNode) else ())}})
+            for entry, item in zip(config["icl_tasks"], items)]
+
+
+def task_of(entry, lines, config, baselines):
+    """The Task of a core.yaml entry, its examples' file in eval_data/ beside config; lines: the
+    line of each of its keys, and None's its own, which CoreError names."""
+    def refuse(key, problem):
+        raise CoreError(f"{config} line {lines.get(key, lines[None])}: {problem}")
+    if not isinstance(entry, dict):
+        refuse(None, "a task must be a mapping of label, dataset_uri, num_fewshot, icl_task_type")
+    label, uri, kind = entry.get("label"), entry.get("dataset_uri"), entry.get("icl_task_type")
+    shots, delimiter = entry.get("num_fewshot"), entry.get("continuation_delimiter", " ")
+    if isinstance(shots, list) and shots:  # DCLM lists the shots to try; nanochat, and this, takes the first
+        shots = shots[0]
+    if not isinstance(label, str) or not label or len(label) > 100:
+        refuse("label", f"label must be a name of 1 to 100 characters, not {brief(label)}")
+    if not isinstance(uri, str) or not uri or uri.startswith(("/", "\\")) or "\0" in uri \
+            or ".." in uri.replace("\\", "/").split("/"):
+        refuse("dataset_uri", f"dataset_uri must be a path inside eval_data/, not {brief(uri)}")
+    if kind not in TASK_TYPES:
+        refuse("icl_task_type", f"unknown icl_task_type {brief(kind)} (core_eval.py scores {', '.join(TASK_TYPES)}): "
+                                f"leave the task out with --tasks")
+    if type(shots) is not int or not 0 <= shots <= MAX_FEWSHOT:
+        refuse("num_fewshot", f"num_fewshot must be 0 to {MAX_FEWSHOT} (or a list, of which the first counts), "
+                              f"not {brief(shots)}")
+    if not isinstance(delimiter, str) or len(delimiter) > MAX_DELIMITER_CHARS or unicode_problem(delimiter):
+        refuse("continuation_delimiter", f"continuation_delimiter must be text of at most {MAX_DELIMITER_CHARS} "
+                                         f"characters, not {brief(delimiter)}")
+    directory = os.path.dirname(config)
+    if label not in baselines:
+        refuse("label", f"task {label!r} has no row in {os.path.join(directory, 'eval_meta_data.csv')}: add its "
+                        f"Random baseline (in percent) there, or leave the task out with --tasks")
+    return Task(label, os.path.join(directory, "eval_data", uri), kind, shots, delimiter, baselines[label]())
+
+
+def read_baselines(path):
+    """{task: random baseline in percent} of eval_meta_data.csv (its "Eval Task" and "Random baseline"
+    columns), each a function that checks it: only the tasks scored need sound rows. A later row of
+    a task replaces an earlier one, as nanochat reads them."""
+    columns = ("Eval Task", "Random baseline")
+    try:
+        rows = csv.DictReader(io.StringIO(read_text(path, MAX_CONFIG_CHARS), newline=""))
+        if not set(columns) <= set(rows.fieldnames or ()):
+            raise CoreError(f"{path}: no {' and '.join(map(repr, columns))} columns: not DCLM's eval_meta_data.csv")
+        found = {row["Eval Task"]: (row["Random baseline"], rows.line_num) for row in rows}
+    except FileNotFoundError:
+        raise CoreError(f"{path}: no such file: an eval bundle holds one beside core.yaml") from None
+    except UnreadableFile as e:  # it names the file
+        raise CoreError(str(e)) from None
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise CoreError(f"{path}: cannot read it ({first_line(e)})") from None
+
+    def baseline(task):
+        value, line = found[task]
+        try:
+            percent = float(value)
+        except (TypeError, ValueError):  # None: a row short of the column
+            percent = math.nan
+        if not 0 <= percent < 100:
+            raise CoreError(f"{path} line {line}: the Random baseline of {brief(task)} must be a percentage in "
+                            f"[0, 100), not {brief(value)}: correct it")
+        return percent
+    return {task: (lambda task=task: baseline(task)) for task in found}
+
+
+def read_examples(task):
+    """[(line number, example)] of a task's jsonl file, every line checked; blank lines skipped."""
+    examples = []
+    try:
+        for lineno, line in read_lines(task.path):
+            if line.strip():
+                try:
+                    examples.append((lineno, parse_example(line, task.kind)))
+                except ValueError as e:
+                    raise CoreError(f"{task.path} line {lineno}: {e}") from None
+    except FileNotFoundError:
+        raise CoreError(f"{task.path}: no such file, yet core.yaml's task {task.label!r} names it: the bundle is "
+                        f"incomplete (fetch it anew with `python core_eval.py --download_only --data NEW_DIR`), or "
+                        f"leave the task out with --tasks") from None
+    except UnreadableFile as e:  # it names the file, and the line
+        raise CoreError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CoreError(f"{task.path}: cannot read it ({first_line(e)})") from None
+    if not examples:
+        raise CoreError(f"{task.path}: no examples")
+    return examples
+
+
+FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+          "language_modeling": ("context", "continuation")}
+
+
+def parse_example(line, kind):
+    """One line of a task of kind -> its example, the fields FIELDS names; ValueError says what is wrong."""
+    try:
+        example = parse_json(line)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON ({first_line(e)})") from None
+    if not isinstance(example, dict):
+        raise ValueError("not a JSON object")
+    missing = [key for key in FIELDS[kind] if key not in example]
+    if missing:
+        raise ValueError(f"missing field {missing[0]!r} (a {kind} example has {', '.join(FIELDS[kind])})")
+    example = {key: example[key] for key in FIELDS[kind]}
+    options = "choices" if kind == "multiple_choice" else "context_options"
+    texts = [key for key in FIELDS[kind] if key not in (options, "gold")]
+    for key in texts:
+        if not isinstance(example[key], str):
+            raise ValueError(f"{key} must be a string, not {brief(example[key])}")
+    if kind != "multiple_choice" and not example["continuation"]:
+        raise ValueError("continuation must not be empty: there would be nothing to score")
+    if kind != "language_modeling":
+        answers, gold = example[options], example["gold"]
+        if not isinstance(answers, list) or not 1 <= len(answers) <= MAX_CHOICES \
+                or not all(isinstance(a, str) for a in answers):
+            raise ValueError(f"{options} must be a list of 1 to {MAX_CHOICES} strings")
+        if type(gold) is not int or not 0 <= gold < len(answers):  # type(): True is an int too
+            raise ValueError(f"gold must be the index of one of the {len(answers)} {options}, not {brief(gold)}")
+        texts += [f"{options}[{i}]" for i in range(len(answers))]
+    for name in texts:
+        key, _, i = name.partition("[")
+        if problem := unicode_problem(example[key][int(i[:-1])] if i else example[key]):
+            raise ValueError(f"{name} {problem}")
+    return example
+
+
+# -----------------------------------------------------------------------------
+# the download
+
+
+def ensure_bundle(directory, local_rank=0):
+    """directory, nanochat's bundle downloaded there first if it is not there (by local rank 0 only,
+    the ranks beside it waiting). Only the default place is filled: another is the user's own."""
+    if dist.is_initialized() and local_rank != 0:
+        dist.barrier()
+    error = None
+    if local_rank == 0 and not os.path.exists(directory):
+        if os.path.abspath(directory) != BUNDLE_DIR:
+            error = f"--data {directory}: no such directory (`python core_eval.py --download_only --data {directory}` " \
+                    f"fetches nanochat's bundle there)"
+        else:
+            try:
+                download_bundle(os.environ.get(URL_ENV, BUNDLE_URL), directory)
+            except CoreError as e:
+                error = str(e)
+    if dist.is_initialized() and local_rank == 0:
+        dist.barrier()
+    if error:
+        raise CoreError(error)
+    return directory
+
+
+def download_bundle(url, directory):
+    """Fetches the zip at url and unpacks its eval_bundle/ into directory, through a directory
+    beside it that takes the final name only once every task in it reads as CORE data: an
+    interrupted or refused download leaves neither, nor the parent directory it made. The zip is
+    untrusted: at most MAX_BUNDLE_BYTES, its members only inside the bundle, never a link."""
+    print(f"downloading {url} to {directory}", file=sys.stderr)
+    parent = os.path.dirname(os.path.abspath(directory))
+    made = not os.path.isdir(parent)
+    partial = f"{os.path.abspath(directory)}.partial{os.getpid()}"
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with open_url(url) as response, open(partial + ".zip", "xb") as f:
+            copy_bounded(response, f, MAX_BUNDLE_BYTES, "the download")
+        unpack(partial + ".zip", partial)
+        check_bundle(partial)
+        os.rename(partial, directory)
+    except CoreError as e:  # named as in the zip
+        raise CoreError(f"{url}: not a usable eval bundle: {str(e).replace(partial, 'eval_bundle')}") from None
+    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts; a URL of no known scheme
+        raise CoreError(f"could not download {url} ({getattr(e, 'reason', first_line(e))}); run this where there is "
+                        f"a network, or unpack a copy of the bundle into {directory}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial + ".zip")
+        shutil.rmtree(partial, ignore_errors=True)
+        if made:
+            with contextlib.suppress(OSError):  # only if empty
+                os.rmdir(parent)
+    return directory
+
+
+def copy_bounded(source, target, limit, what):
+    """Copies the file object source to target; CoreError past limit bytes (only limit + 1 are read)."""
+    copied = 0
+    while chunk := source.read(min(1 << 20, limit + 1 - copied)):
+        copied += len(chunk)
+        if copied > limit:
+            raise CoreError(f"{what} is larger than {limit:,} bytes")
+        target.write(chunk)
+    return copied
+
+
+def unpack(zip_path, directory):
+    """The members under eval_bundle/ of the zip, written into directory (made here, so nothing in
+    it is a link): every name checked, and the bytes actually unpacked bounded, whatever the zip's
+    headers claim."""
+    budget = MAX_BUNDLE_BYTES
+    try:
+        with zipfile.ZipFile(zip_path) as z:
+            members = z.infolist()
+            if len(members) > MAX_MEMBERS:
+                raise CoreError(f"the zip holds {len(members):,} files, more than {MAX_MEMBERS:,}")
+            os.mkdir(directory)
+            for member in members:
+                parts = member.filename.split("/")
+                if member.filename.startswith("/") or "\\" in member.filename or any(p in ("..", ".") for p in parts) \
+                        or ":" in parts[0]:
+                    raise CoreError(f"the zip's member {brief(member.filename)} is a path outside the bundle")
+                if parts[0] != "eval_bundle" or member.is_dir() or len(parts) < 2:
+                    continue  # the bundle is eval_bundle/; anything beside it (__MACOSX/) is left out
+                target = os.path.join(directory, *parts[1:])
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.lexists(target):
+                    raise CoreError(f"the zip holds {brief(member.filename)} twice")
+                with z.open(member) as source, open(target, "xb") as f:
+                    budget -= copy_bounded(source, f, budget, "the unpacked bundle")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, RuntimeError, NotImplementedError, EOFError, zlib.error) as e:
+        raise CoreError(f"not a zip that can be read ({first_line(e)})") from None
+
+
+def check_bundle(directory):
+    """Every task of the bundle in directory read and checked, as scoring would: (tasks, examples)."""
+    tasks = read_bundle(directory)
+    return len(tasks), sum(len(read_examples(task)) for task in tasks)
+
+
+# -----------------------------------------------------------------------------
+# the protocol
+
+
+def ordered(examples, max_per_task=None):
+    """A task's examples in the order that is scored: shuffled by random.Random(SHUFFLE_SEED), then
+    the first max_per_task."""
+    examples = list(examples)
+    random.Random(SHUFFLE_SEED).shuffle(examples)
+    return examples[:max_per_task]
+
+
+def shots_of(i, n, num_fewshot):
+    """The positions of the examples shown before the one at position i of n: num_fewshot of the
+    others (all of them, if fewer), drawn by random.Random(FEWSHOT_SEED + i).sample from the list of
+    the others. sample() reads its population by index only, so it draws the same indices from
+    range(n - 1), each shifted past i, without a list of n positions for every one of n examples."""
+    k = min(num_fewshot, n - 1)
+    return [j + (j >= i) for j in random.Random(FEWSHOT_SEED + i).sample(range(n - 1), k)] if k > 0 else []
+
+
+def prompts(task, example, shots):
+    """The example's prompts, one per row, each with the shots first and a blank line after each;
+    for language modeling two: the context alone (stripped) and with the continuation."""
+    d = task.delimiter
+    if task.kind == "multiple_choice":
+        shown = "".join(f"{s['query']}{d}{s['choices'][s['gold']]}\n\n" for s in shots)
+        return [f"{shown}{example['query']}{d}{choice}" for choice in example["choices"]]
+    if task.kind == "schema":
+        shown = "".join(f"{s['context_options'][s['gold']]}{d}{s['continuation']}\n\n" for s in shots)
+        return [f"{shown}{option}{d}{example['continuation']}" for option in example["context_options"]]
+    shown = "".join(f"{s['context'].strip()}{d}{s['continuation']}\n\n" for s in shots)
+    context = f"{shown}{example['context'].strip()}{d}"
+    return [context.strip(), context + example["continuation"]]
+
+
+def example_rows(task, example, shots):
+    """[(tokens, start)] of each row: <|endoftext|> and the prompt's tokens, of which those from start
+    on are scored: for multiple choice after the rows' common start, for schema within their common
+    end, for language modeling the continuation's. ValueError where a continuation adds no tokens
+    to its context's, or changes them (its first token merges with the context's last)."""
+    enc = get_encoding()
+    rows = [[EOT] + enc.encode_ordinary(prompt) for prompt in prompts(task, example, shots)]
+    if task.kind == "multiple_choice":
+        start = common_start(rows)
+        return [(row, start) for row in rows]
+    if task.kind == "schema":
+        end = common_start([row[::-1] for row in rows])
+        return [(row, len(row) - end) for row in rows]
+    context, row = rows
+    if len(row) <= len(context) or row[: len(context)] != context:
+        raise ValueError(f"the continuation {brief(example['continuation'])} does not add tokens after the context's "
+                         f"with the delimiter {task.delimiter!r}: nothing to score")
+    return [(row, len(context))]
+
+
+def load_task(task, block_size, max_per_task=None):
+    """The LoadedTask of task for a model of block_size: its examples read, ordered, their rows built.
+    CoreError names the file and line of an example that cannot be scored."""
+    return prepare(task, ordered(read_examples(task), max_per_task), block_size)
+
+
+def prepare(task, examples, block_size):
+    """The LoadedTask of task's examples [(line, example)], in the order given, for a model of block_size."""
+    items = [example for _, example in examples]
+    n_rows, units = [], []
+    for i, (line, example) in enumerate(examples):
+        try:
+            rows = example_rows(task, example, [items[j] for j in shots_of(i, len(items), task.num_fewshot)])
+            units += units_of(i, rows, block_size)
+        except ValueError as e:
+            raise CoreError(f"{task.path} line {line}: {e}") from None
+        n_rows.append(len(rows))
+    return LoadedTask(task, [line for line, _ in examples], [e.get("gold") for e in items], n_rows, units)
+
+
+def judged(task, gold, values):
+    """Whether an example is right, from each row's (mean loss, greedy misses), (NaN, None) for a
+    row with no tokens of its own: language modeling is right where greedy decoding missed none of
+    the continuation's tokens; the others where the row of the lowest mean loss is gold's. That row
+    is picked as Python's min() picks it in nanochat's code: a NaN first is kept, a NaN later never taken."""
+    if task.kind == "language_modeling":
+        return values[0][1] == 0
+    means = [mean for mean, _ in values]
+    best = 0
+    for r, mean in enumerate(means):
+        if mean < means[best]:
+            best = r
+    return best == gold
+
+
+# -----------------------------------------------------------------------------
+# scoring
+
+
+def task_batches(loaded, batch_size, rank, world_size):
+    """This rank's units of a task (those of the examples at positions rank, rank + world_size, ...)
+    in batches of batch_size, the longest first: a batch of near-equal lengths wastes little on padding."""
+    units = [u for u in loaded.units if u.example % world_size == rank]
+    units.sort(key=lambda u: (-len(u.prefix), -sum(len(b.inputs) for b in u.branches)))
+    return [units[i: i + batch_size] for i in range(0, len(units), batch_size)]
+
+
+def score_rows(model, loaded, config, rank=0, world_size=1, stop_requested=never_stop):
+    """{position: [(mean loss, greedy misses) of each row]} of this rank's share of loaded's examples
+    ((NaN, None) for a row with nothing of its own to score). Every rank runs as many batches,
+    asking stop_requested before each: Stopped (under FSDP each forward gathers weights from all
+    ranks, so a short share repeats a batch, uncounted)."""
+    batches = task_batches(loaded, config.batch_size, rank, world_size)
+    values = {i: [(math.nan, None)] * loaded.rows[i] for i in range(rank, len(loaded.lines), world_size)}
+    units_left = collections.Counter(unit.example for batch in batches for unit in batch)
+    bar = progress_meter(loaded.task.label, "ex", total=len(values), initial=len(values) - len(units_left),
+                         disable=not config.progress)
+    for b in range(max(every_rank(len(batches)))):
+        if stop_requested():
+            bar.close()
+            raise Stopped
+        if b >= len(batches):
+            if fsdp.is_sharded(model):
+                branch_scores(model, batches[-1] if batches else loaded.units[:1], config.device, config.dtype)
+            continue
+        means, misses = branch_scores(model, batches[b], config.device, config.dtype)
+        scores = iter(zip(means.tolist(), misses.tolist()))
+        for unit in batches[b]:
+            for branch in unit.branches:
+                values[unit.example][branch.row] = next(scores)
+            units_left[unit.example] -= 1
+            bar.update(units_left[unit.example] == 0)
+    bar.close()
+    return values
+
+
+def score_task(model, loaded, config, rank=0, world_size=1, stop_requested=never_stop):
+    """[whether each example of loaded is right], in its order: each rank scores its share
+    (score_rows), and the judgements are summed over the ranks."""
+    values = score_rows(model, loaded, config, rank, world_size, stop_requested)
+    judgements = torch.zeros(len(loaded.lines), dtype=torch.long)  # 1: wrong, 2: right, summed over the ranks
+    for i, row_values in values.items():
+        judgements[i] = 1 + judged(loaded.task, loaded.golds[i], row_values)
+    if dist.is_initialized():
+        judgements = judgements.to(config.device)
+        dist.all_reduce(judgements)
+    judgements = judgements.tolist()
+    assert set(judgements) <= {1, 2}, "every example is judged by one rank"
+    return [j == 2 for j in judgements]
+
+
+def evaluate(model, tasks, config, rank=0, world_size=1, stop_requested=never_stop):
+    """CORE of model (a GPT in evaluation mode, on config.device; FSDP-sharded or not) on tasks
+    (LoadedTasks), the examples of each split over the ranks, as every rank returns it:
+    {"core", "tasks": {label: {"accuracy", "centered", "n", "seconds"}}, "examples": [{"task",
+    "index" (its line), "correct"}]}. Stopped where stop_requested says so before a batch."""
+    result = {"core": None, "tasks": {}, "examples": []}
+    for loaded in tasks:
+        t0 = time.perf_counter()
+        correct = score_task(model, loaded, config, rank, world_size, stop_requested)
+        task, accuracy = loaded.task, sum(correct) / len(correct)
+        centered = (accuracy - task.baseline / 100) / (1 - task.baseline / 100)
+        result["tasks"][task.label] = dict(accuracy=accuracy, centered=centered, n=len(correct),
+                                           seconds=time.perf_counter() - t0)
+        result["examples"] += [dict(task=task.label, index=line, correct=c) for line, c in zip(loaded.lines, correct)]
+    result["core"] = sum(t["centered"] for t in result["tasks"].values()) / len(result["tasks"])
+    return result
+
+
+def load_for_run(eval_config, gpt_config, log):
+    """The LoadedTasks that a training run of eval_config (train_config.EvalConfig) scores at each
+    CORE evaluation, or None, with a one-line note to log where it cannot (no bundle, a damaged one,
+    a model that cannot read it): training goes on without CORE. Unless every rank loaded the same
+    examples, no rank scores any (each evaluation is a collective)."""
+    if not eval_config.core_interval:
+        return None
+    directory, tasks = eval_config.core_path or BUNDLE_DIR, None
+    if not os.path.isdir(directory):
+        log(f"note: no CORE bundle at {directory}: skipping CORE (`python core_eval.py --download_only` fetches "
+            f"it to {BUNDLE_DIR})")
+    else:
+        try:
+            if gpt2_vocab_problem(gpt_config.vocab_size):
+                raise CoreError(gpt2_vocab_problem(gpt_config.vocab_size))
+            tasks = [load_task(task, gpt_config.block_size, eval_config.core_limit or None)
+                     for task in read_bundle(directory)]
+        except CoreError as e:
+            log(f"note: skipping CORE: {e}")
+    counts = every_rank([len(t.lines) for t in tasks] if tasks else None)
+    if len(set(map(str, counts))) > 1:
+        log(f"note: skipping CORE: not every rank could load it (examples per task and rank: {counts})")
+        return None
+    return tasks
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def report(result, model_name, complete):
+    """The table: each task's accuracy and centered accuracy beside GPT-2 (124M)'s where known,
+    and CORE beside the four GPT-2 sizes (comparable only where complete: every task, every example)."""
+    width = max(len("task"), *map(len, result["tasks"]))
+    lines = [f"{'task':<{width}}  {'n':>6}  accuracy  centered  GPT-2 (124M)"]
+    for label, t in result["tasks"].items():
+        reference = f"{GPT2_ACCURACY[label]:.4f}" if label in GPT2_ACCURACY else "-"
+        lines.append(f"{label:<{width}}  {t['n']:>6}  {t['accuracy']:8.4f}  {t['centered']:8.4f}  {reference:>12}")
+    sizes = ", ".join(f"{name} {core:.4f}" for name, core in GPT2_CORE.items())
+    caveat = "" if complete else " (a part of the bundle: not comparable with GPT-2's)"
+    lines.append(f"{model_name}: CORE {result['core']:.4f} over {len(result['tasks'])} tasks{caveat}; "
+                 f"OpenAI's GPT-2, as nanochat measured it: {sizes}")
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = Parser(prog="core_eval.py", description="Score a GPT-2 model on CORE (DCLM's 22 in-context tasks).")
+    parser.add_argument("-m", "--model", default="gpt2",
+                        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 directory, a train_gpt2.py "
+                             "checkpoint (.pt or sharded), or a run's log directory (its newest checkpoint)")
+    parser.add_argument("--data", default=BUNDLE_DIR, help="the eval bundle: core.yaml, eval_meta_data.csv, eval_data/ "
+                                                           "(the default place is filled by a download)")
+    parser.add_argument("--tasks", default=None, help="comma-separated labels of core.yaml's tasks (default: all)")
+    parser.add_argument("--max_per_task", type=int, default=None, help="score the first N examples of each task's "
+                                                                       "shuffled order (default: all)")
+    parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass")
+    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast dtype; auto: bfloat16 on CUDA (float16 before Ampere), else float32")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--download_only", action="store_true",
+                        help="fetch nanochat's bundle into --data and check it, then exit: no model is loaded")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or (args.max_per_task is not None and args.max_per_task < 1):
+        parser.error("--batch_size and --max_per_task must be at least 1")
+    labels = args.tasks.split(",") if args.tasks else None
+    if args.download_only:
+        return download_only(parser, args.data)
+    if args.json:
+        parser.check_output("--json", args.json)  # now, not after the scoring
+    try:
+        check_source(args.model)  # a mistyped -m is the error, not the download that would come first
+        rank, local_rank, world_size, device = distributed.init(args.device)
+    except (CheckpointError, distributed.RunError) as e:
+        parser.fail(str(e))
+    try:
+        result = score(args, labels, rank, local_rank, world_size, device)
+    except (CheckpointError, CoreError) as e:
+        parser.fail(str(e))
+    finally:
+        distributed.leave()
+    if rank == 0:
+        print(report(result, args.model, labels is None and args.max_per_task is None))
+        write_json(parser, args.json, result)
+
+
+def score(args, labels, rank, local_rank, world_size, device):
+    """The CLI's result (evaluate's) on every rank: the bundle fetched if missing, read, the model loaded."""
+    tasks = read_bundle(ensure_bundle(args.data, local_rank), labels)
+    examples = [ordered(read_examples(task), args.max_per_task) for task in tasks]  # checked before the model loads
+    model, device = load_model_on(args.model, device)
+    loaded = [prepare(task, task_examples, model.config.block_size) for task, task_examples in zip(tasks, examples)]
+    dtype = pick_dtype(args.dtype, torch.device(device).type)
+    return evaluate(model, loaded, ScoringConfig(device, args.batch_size, dtype, progress=rank == 0), rank, world_size)
+
+
+def download_only(parser, directory):
+    """--download_only: the bundle fetched into directory and checked, or, if already there, checked."""
+    try:
+        if not os.path.exists(directory):
+            download_bundle(os.environ.get(URL_ENV, BUNDLE_URL), directory)
+        n_tasks, n_examples = check_bundle(directory)
+    except CoreError as e:
+        parser.fail(str(e))
+    print(f"{directory}: {n_tasks} tasks, {n_examples:,} examples, checked")
+
+
+def write_json(parser, path, result):
+    if not path:
+        return
+    try:
+        with atomic_open(path, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    except OSError as e:  # a disk that filled during the scoring: the table above has the result
+        parser.fail(f"--json {path}: cannot write it ({e.strerror}); the result is above")
+
+
+if __name__ == "__main__":
+    main()
