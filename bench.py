@@ -50,8 +50,9 @@ from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, device_memory, peak_flops, pick_device, pick_dtype, synchronize
 from gpt2repro.common.distributed import RunError
+from gpt2repro.evals import core_bundle
+from gpt2repro.evals.continuations import branch_scores
 from gpt2repro.lm import generate
-from gpt2repro.lm.continuations import branch_scores
 from gpt2repro.lm.data import TINY_SHAKESPEARE, ShardLoader, shard_name, text_tokens, write_shard
 from gpt2repro.lm.loss import LOSSES, has_triton, pick_loss
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, PADDED_VOCAB, get_encoding
@@ -837,7 +838,7 @@ def bench_core(args, device, record):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=PADDED_VOCAB, **size)).to(device).eval()
     dtype = pick_dtype(args.dtype, device_type)
-    task = core_eval.Task("synthetic", "", "multiple_choice", 10, " ", 25.0)
+    task = core_bundle.Task("synthetic", "", "multiple_choice", 10, " ", 25.0)
     for shape, (context, ending) in CORE_SHAPES.items():
         pool = [{"query": e["ctx"], "choices": e["endings"], "gold": e["label"]}
                 for e in synthetic_examples(max(n, 64), context=context, ending=ending)]

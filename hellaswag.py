@@ -22,8 +22,6 @@ import json
 import os
 import shutil
 import sys
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +32,9 @@ from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, pick_dtype
 from gpt2repro.common.distributed import Stopped, every_rank, never_stop
-from gpt2repro.common.inputs import UnreadableFile, brief, open_regular, read_lines, unicode_problem
+from gpt2repro.common.inputs import UnreadableFile, brief, open_url, read_lines, unicode_problem
 from gpt2repro.common.progress import progress_meter
-from gpt2repro.lm.continuations import logits_per_chunk
+from gpt2repro.evals.continuations import logits_per_chunk
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
 from gpt2repro.runs.dcp_reader import CheckpointError
 from gpt2repro.runs.loading import check_source, load_model_on
@@ -133,15 +131,6 @@ def download(url, path, local_flag="--data"):
             advice = (f"fetch it once where there is a network with `python hellaswag.py --download_only`, "
                       f"or pass {local_flag} PATH, a local copy")
         raise HellaSwagError(f"could not download {url} ({getattr(e, 'reason', e)}); {advice}") from None
-
-
-def open_url(url):
-    """url opened for reading; a file: URL (a local mirror) only if it names a regular file: a FIFO
-    would wait for a writer forever, /dev/zero never end (inputs.open_regular's UnreadableFile)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "file" and parts.netloc in ("", "localhost"):  # urlopen refuses another host's
-        return open_regular(urllib.request.url2pathname(parts.path), "rb")
-    return urllib.request.urlopen(url, timeout=60)
 
 
 def load_examples(path=None, split="val", cache_dir=None, local_flag="--data"):

@@ -23,10 +23,10 @@ import matplotlib.pyplot as plt
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import FuncFormatter
 
-from core_eval import GPT2_CORE
 from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.inputs import brief, first_line, parse_json
+from gpt2repro.evals.core_bundle import GPT2_CORE
 
 # OpenAI's checkpoints, for reference: GPT-2 (124M)'s loss on the FineWeb-Edu val split,
 # and HellaSwag acc_norm of GPT-2 (124M) and of GPT-3 Small (125M, the GPT-3 paper).

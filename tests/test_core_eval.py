@@ -18,6 +18,7 @@ from torch.nn import functional as F
 import core_eval
 import train_gpt2
 from gpt2repro.common.distributed import Stopped
+from gpt2repro.evals import core_bundle
 from gpt2repro.lm.tokenizer import EOT, get_encoding
 from gpt2repro.runs.loading import load_model
 from hellaswag import ScoringConfig
@@ -116,7 +117,7 @@ def test_real_bundle_judgements_equal_the_plain_scorers():
     labels = os.environ["CORE_TASKS"].split(",") if os.environ.get("CORE_TASKS") else None
     model = make_tiny_gpt(block_size=int(os.environ.get("CORE_BLOCK_SIZE", 256)))
     counts = {}
-    for task in core_eval.read_bundle(directory, labels):
+    for task in core_bundle.read_bundle(directory, labels):
         if os.path.exists(task.path):
             loaded = assert_same_values(model, task, per_task)
             counts[task.label] = (len(loaded.lines), sum(loaded.rows))
@@ -197,7 +198,7 @@ def tiny():
 
 def test_prompts_are_written_as_nanochat_writes_them():
     def task(kind, delimiter):
-        return core_eval.Task("t", "t.jsonl", kind, 2, delimiter, 0.0)
+        return core_bundle.Task("t", "t.jsonl", kind, 2, delimiter, 0.0)
     mc = task("multiple_choice", "\nAnswer: ")
     assert core_eval.prompts(mc, MC_EXAMPLES[2], MC_EXAMPLES[:2]) == [
         "Question: What do bees make?\nAnswer: honey\n\nQuestion: Which is a planet?\nAnswer: Mars\n\n"
@@ -229,7 +230,7 @@ def test_every_row_scores_as_a_plain_scorer_scores_it_alone(tiny, bundle, batch_
     """Each row's mean loss and greedy misses, and each judgement, batched or not, through the KV
     cache of its example's shared start, equal a plain scorer's of the row alone; the 3-shot
     prompts are longer than the model's 32 positions, so rows are cut, and rows cut alike share."""
-    for task in core_eval.read_bundle(bundle):
+    for task in core_bundle.read_bundle(bundle):
         loaded = assert_same_values(tiny, task, batch_size=batch_size)
         assert any(u.prefix[0] != EOT for u in loaded.units)  # rows were cut
         if task.kind == "multiple_choice":
@@ -274,7 +275,7 @@ def test_greedy_decoding_and_the_lowest_mean_judge(tmp_path):
     directory = write_bundle(tmp_path / "b", {"lm": ("language_modeling", 0, " ", 0, lm),
                                                "mc": ("multiple_choice", 0, " ", 25, mc)})
     result = core_eval.evaluate(unigram_model(logits), [core_eval.load_task(t, 64) for t in
-                                                       core_eval.read_bundle(directory)], ScoringConfig("cpu"))
+                                                       core_bundle.read_bundle(directory)], ScoringConfig("cpu"))
     right = {(e["task"], e["index"]): e["correct"] for e in result["examples"]}
     assert right == {("lm", 1): True, ("lm", 2): False, ("lm", 3): True, ("mc", 1): True, ("mc", 2): False}
     assert result["tasks"]["mc"] == dict(result["tasks"]["mc"], accuracy=0.5, centered=(0.5 - 0.25) / 0.75, n=2)
@@ -287,7 +288,7 @@ def test_a_choice_that_is_the_start_of_another_is_judged_as_nanochat_judges_it(t
     loss is NaN, and Python's min() in nanochat's code keeps a NaN that comes first (4 PIQA examples)."""
     example = {"query": "Question: compactor\n", "choices": ["can squish  water", "can squish  watermelon"], "gold": gold}
     directory = write_bundle(tmp_path / "b", {"piqa": ("multiple_choice", 0, "\nAnswer: ", 50, [example])})
-    [task] = core_eval.read_bundle(directory)
+    [task] = core_bundle.read_bundle(directory)
     loaded = assert_same_values(tiny, task)
     values = core_eval.score_rows(tiny, loaded, ScoringConfig("cpu"))[0]
     assert math.isnan(values[0][0]) and values[0][1] is None and not math.isnan(values[1][0])
@@ -296,7 +297,7 @@ def test_a_choice_that_is_the_start_of_another_is_judged_as_nanochat_judges_it(t
 
 
 def test_a_stop_between_batches_ends_the_evaluation(tiny, bundle):
-    loaded = [core_eval.load_task(task, tiny.config.block_size) for task in core_eval.read_bundle(bundle)]
+    loaded = [core_eval.load_task(task, tiny.config.block_size) for task in core_bundle.read_bundle(bundle)]
     asked = []
 
     def stop_after_two():
@@ -327,7 +328,7 @@ def test_cli_prints_the_table_and_writes_the_json(tiny, bundle, checkpoint, tmp_
     out = tmp_path / "core.json"
     core_eval.main(["-m", checkpoint, "--data", bundle, "--json", str(out), "--device", "cpu", "--batch_size", "3"])
     result = json.loads(out.read_text())
-    loaded = [core_eval.load_task(task, 32) for task in core_eval.read_bundle(bundle)]
+    loaded = [core_eval.load_task(task, 32) for task in core_bundle.read_bundle(bundle)]
     expected = core_eval.evaluate(tiny, loaded, ScoringConfig("cpu"))
     assert result.keys() == {"core", "tasks", "examples"} and result["examples"] == expected["examples"]
     for label, task in result["tasks"].items():
@@ -353,7 +354,7 @@ def test_tasks_and_max_per_task_score_a_part(tiny, bundle, checkpoint, tmp_path,
     assert list(result["tasks"]) == ["mc", "lm"] and [t["n"] for t in result["tasks"].values()] == [4, 4]
     assert "over 2 tasks (a part of the bundle: not comparable with GPT-2's)" in capsys.readouterr().out
     # The first 4 of the shuffled order, their shots drawn from those 4.
-    [mc] = core_eval.read_bundle(bundle, ["mc"])
+    [mc] = core_bundle.read_bundle(bundle, ["mc"])
     assert [e["index"] for e in result["examples"][:4]] == [line for line, _, _ in
                                                            reference_values(tiny, mc.path, mc.kind, 3, mc.delimiter, 4)]
 
@@ -484,7 +485,7 @@ def server(tmp_path, monkeypatch):
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    monkeypatch.setenv(core_eval.URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/eval_bundle.zip")
+    monkeypatch.setenv(core_bundle.URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/eval_bundle.zip")
     monkeypatch.setenv("no_proxy", "127.0.0.1")
     yield served
     httpd.shutdown()
@@ -514,11 +515,11 @@ def test_download_only_fetches_and_checks_the_bundle_then_runs_need_no_network(b
 ])
 def test_a_zip_that_is_not_a_sound_bundle_is_refused_and_leaves_nothing(bundle, server, tmp_path, monkeypatch, capsys,
                                                                         members, why):
-    monkeypatch.setattr(core_eval, "MAX_BUNDLE_BYTES", 4000 if "larger" in why else core_eval.MAX_BUNDLE_BYTES)
+    monkeypatch.setattr(core_bundle, "MAX_BUNDLE_BYTES", 4000 if "larger" in why else core_bundle.MAX_BUNDLE_BYTES)
     zip_of(bundle if "larger" not in why else tmp_path / "none", server / "eval_bundle.zip", extra=members)
     target = tmp_path / "data" / "eval_bundle"
     error = exit_message(capsys, core_eval.main, "--download_only", "--data", target)
-    assert error.startswith(f"core_eval.py: error: {os.environ[core_eval.URL_ENV]}: not a usable eval bundle: ")
+    assert error.startswith(f"core_eval.py: error: {os.environ[core_bundle.URL_ENV]}: not a usable eval bundle: ")
     assert error.endswith(why)
     assert not (tmp_path / "data").exists() and not (tmp_path / "evil.txt").exists()
 
@@ -527,7 +528,7 @@ def test_a_bundle_whose_data_fails_its_checks_is_refused_naming_the_file_in_the_
     damaged = edited_bundle(tmp_path, lambda d: line_of(d, "schema", 2, '{"context_options": ["a"], "gold": 0}'))
     zip_of(damaged, server / "eval_bundle.zip")
     error = exit_message(capsys, core_eval.main, "--download_only", "--data", tmp_path / "data" / "eval_bundle")
-    assert error == (f"core_eval.py: error: {os.environ[core_eval.URL_ENV]}: not a usable eval bundle: "
+    assert error == (f"core_eval.py: error: {os.environ[core_bundle.URL_ENV]}: not a usable eval bundle: "
                      f"eval_bundle/eval_data/kinds/schema.jsonl line 2: missing field 'continuation' (a schema example "
                      f"has context_options, continuation, gold)")
     assert not (tmp_path / "data").exists()
@@ -535,10 +536,11 @@ def test_a_bundle_whose_data_fails_its_checks_is_refused_naming_the_file_in_the_
 
 def test_without_network_or_bundle_it_is_one_line_and_leaves_nothing(checkpoint, server, tmp_path, monkeypatch, capsys):
     # Nothing served: a 404. The default place is filled by a download, which fails.
-    monkeypatch.setattr(core_eval, "BUNDLE_DIR", str(tmp_path / "default" / "eval_bundle"))
+    default = str(tmp_path / "default" / "eval_bundle")
+    monkeypatch.setattr(core_eval, "BUNDLE_DIR", default)
     error = exit_message(capsys, core_eval.main, "-m", checkpoint, "--device", "cpu")
-    assert error.startswith(f"core_eval.py: error: could not download {os.environ[core_eval.URL_ENV]} (File not found); "
-                            f"run this where there is a network, or unpack a copy of the bundle into {core_eval.BUNDLE_DIR}")
+    assert error.startswith(f"core_eval.py: error: could not download {os.environ[core_bundle.URL_ENV]} (File not found); "
+                            f"run this where there is a network, or unpack a copy of the bundle into {default}")
     assert not (tmp_path / "default").exists()
     # Another place is the user's own: never downloaded into.
     error = exit_message(capsys, core_eval.main, "-m", checkpoint, "--data", tmp_path / "mine", "--device", "cpu")
@@ -582,7 +584,7 @@ def test_training_logs_the_core_of_its_checkpoints(shards, bundle, tmp_path, cap
         (2, 12, ["lm", "mc", "schema"]), (3, 12, ["lm", "mc", "schema"])]
     assert "step     3 | CORE " in capsys.readouterr().out
     model = load_model(str(tmp_path / "log" / "ckpt_000003.pt")).eval()
-    loaded = [core_eval.load_task(task, model.config.block_size, 4) for task in core_eval.read_bundle(bundle)]
+    loaded = [core_eval.load_task(task, model.config.block_size, 4) for task in core_bundle.read_bundle(bundle)]
     result = core_eval.evaluate(model, loaded, ScoringConfig("cpu"))
     assert core[-1]["core"] == result["core"]
     assert core[-1]["core_accuracy"] == {label: t["accuracy"] for label, t in result["tasks"].items()}
@@ -593,7 +595,7 @@ def test_training_skips_core_with_a_note_where_it_cannot_score_it(bundle, tmp_pa
     cfg = train_gpt2.parse_args(["--core_path", str(tmp_path / "absent")])
     assert core_eval.load_for_run(cfg.eval, cfg.model, notes.append) is None
     assert notes == [f"note: no CORE bundle at {tmp_path / 'absent'}: skipping CORE (`python core_eval.py "
-                     f"--download_only` fetches it to {core_eval.BUNDLE_DIR})"]
+                     f"--download_only` fetches it to {core_bundle.BUNDLE_DIR})"]
     cfg = train_gpt2.parse_args(["--core_path", bundle, "--vocab_size", "256"])
     assert core_eval.load_for_run(cfg.eval, cfg.model, notes.append) is None
     assert notes[-1] == "note: skipping CORE: a vocabulary of 256 cannot hold GPT-2's 50257 token ids"

@@ -139,13 +139,14 @@ def test_core_eval_runs_on_cuda_and_scores_as_on_the_cpu(tmp_path):
     import json
 
     import core_eval
+    from gpt2repro.evals import core_bundle
     from hellaswag import ScoringConfig
     from helpers.models import make_tiny_gpt
     from helpers.processes import run_script
     from test_core_eval import save_checkpoint, write_bundle
     bundle = write_bundle(tmp_path / "bundle")
     model = make_tiny_gpt(block_size=32)
-    loaded = [core_eval.load_task(task, 32) for task in core_eval.read_bundle(bundle)]
+    loaded = [core_eval.load_task(task, 32) for task in core_bundle.read_bundle(bundle)]
     on_cpu = [core_eval.score_rows(model, task, ScoringConfig("cpu", 4)) for task in loaded]
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         on_gpu = [core_eval.score_rows(model.cuda(), task, ScoringConfig("cuda:0", 4, dtype)) for task in loaded]

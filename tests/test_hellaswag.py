@@ -5,6 +5,7 @@ import json
 import os
 import re
 import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -275,7 +276,7 @@ def test_download_only_fetches_the_split_once_and_later_runs_need_no_network(tin
 def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("Temporary failure in name resolution")
-    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
     with pytest.raises(HellaSwagError, match="--download_only`, or pass --data PATH"):
         load_examples(cache_dir=str(tmp_path / "hellaswag"))
     assert os.listdir(tmp_path) == []
@@ -286,7 +287,7 @@ def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch):
 def test_download_only_offline_says_where_a_copy_goes_not_to_run_itself(tmp_path, monkeypatch, capsys):
     def offline(url, timeout):
         raise urllib.error.URLError("Temporary failure in name resolution")
-    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
     cache = tmp_path / "hellaswag"
     message = exit_message(capsys, hellaswag.main, "--download_only", "--cache_dir", cache)
     assert message.endswith(f"(Temporary failure in name resolution); run this where there is a network, "
@@ -303,7 +304,7 @@ def test_download_only_offline_says_where_a_copy_goes_not_to_run_itself(tmp_path
 def test_a_model_path_that_is_wrong_is_the_error_before_any_download(tmp_path, monkeypatch, capsys, model, error):
     def no_download(url, timeout):
         raise AssertionError(f"downloaded {url}")
-    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", no_download)
+    monkeypatch.setattr(urllib.request, "urlopen", no_download)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     assert exit_message(capsys, hellaswag.main, "-m", model, "--cache_dir", tmp_path / "cache") == (

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import sys
+import urllib.request
 from functools import partial
 
 import numpy as np
@@ -369,7 +370,7 @@ def test_a_missing_resume_path_is_the_error_before_any_download(shards, tmp_path
 
     def no_download(url, timeout):
         raise AssertionError(f"downloaded {url}")
-    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", no_download)
+    monkeypatch.setattr(urllib.request, "urlopen", no_download)
     monkeypatch.setattr(hellaswag, "CACHE_DIR", str(tmp_path / "hellaswag"))
     message = error_of(capsys, "--data_dir", shards, "--log_dir", tmp_path / "log", "--resume", tmp_path / "missing.pt",
                        "--hellaswag", "1", "--eval_interval", "1")

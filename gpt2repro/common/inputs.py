@@ -4,6 +4,8 @@ about them."""
 import json
 import os
 import stat
+import urllib.parse
+import urllib.request
 
 from gpt2repro.common.atomic import file_kind
 
@@ -100,6 +102,15 @@ def open_regular(path, mode="r", **open_args):
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_url(url):
+    """url opened for reading; a file: URL (a local mirror) only if it names a regular file: a FIFO
+    would wait for a writer forever, /dev/zero never end (inputs.open_regular's UnreadableFile)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file" and parts.netloc in ("", "localhost"):  # urlopen refuses another host's
+        return open_regular(urllib.request.url2pathname(parts.path), "rb")
+    return urllib.request.urlopen(url, timeout=60)
 
 
 def read_bytes(path, max_bytes, what):
