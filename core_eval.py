@@ -22,7 +22,6 @@ its keys and values from the KV cache, packed after it with a mask that keeps ea
 train_gpt2.py scores CORE with load_for_run and evaluate; docs/evaluation.md has the rest.
 """
 import collections
-import json
 import math
 import os
 import random
@@ -33,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from gpt2repro.common import distributed
-from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import pick_dtype
 from gpt2repro.common.distributed import Stopped, every_rank, never_stop
@@ -341,7 +339,8 @@ def main(argv=None):
         distributed.leave()
     if rank == 0:
         print(report(result, args.model, labels is None and args.max_per_task is None))
-        write_json(parser, args.json, result)
+        if args.json:
+            parser.write_json(args.json, result)
 
 
 def score(args, labels, rank, local_rank, world_size, device):
@@ -363,17 +362,6 @@ def download_only(parser, directory):
     except CoreError as e:
         parser.fail(str(e))
     print(f"{directory}: {n_tasks} tasks, {n_examples:,} examples, checked")
-
-
-def write_json(parser, path, result):
-    if not path:
-        return
-    try:
-        with atomic_open(path, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-    except OSError as e:  # a disk that filled during the scoring: the table above has the result
-        parser.fail(f"--json {path}: cannot write it ({e.strerror}); the result is above")
 
 
 if __name__ == "__main__":

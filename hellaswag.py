@@ -390,12 +390,7 @@ def main(argv=None):
           f"acc {result['acc']:.4f} ({result['correct']}/{result['n']}), "
           f"acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['n']})")
     if args.json:
-        try:
-            with atomic_open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
-        except OSError as e:  # a disk that filled during the scoring: the line above has the result
-            parser.fail(f"--json {args.json}: cannot write it ({e.strerror}); the result is above")
+        parser.write_json(args.json, result)
 
 
 if __name__ == "__main__":

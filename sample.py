@@ -14,13 +14,11 @@ if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds 
     exit_on_ctrl_c()
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 
 import torch
 
-from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.inputs import UnreadableFile, read_lines, read_text
 from gpt2repro.lm.generate import GenerationConfig, generate_stream, left_pad
@@ -195,12 +193,8 @@ def main(argv=None):
         if args.json:
             results[i] = {"prompt": prompts[i], "outputs": texts, "output_ids": outputs}
     if args.json:
-        try:
-            with atomic_open(args.json, "w") as f:
-                json.dump({"settings": {"model": args.model, **asdict(config), "seed": seed}, "results": results}, f,
-                          indent=1)
-        except OSError as e:
-            parser.fail(f"--json {args.json}: cannot write it ({e.strerror}); the results are above")
+        parser.write_json(args.json, {"settings": {"model": args.model, **asdict(config), "seed": seed},
+                                      "results": results}, "the results are above")
 
 
 if __name__ == "__main__":

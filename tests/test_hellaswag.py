@@ -12,6 +12,7 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag
+from gpt2repro.common import cli
 from gpt2repro.common.inputs import MAX_LINE_CHARS
 from gpt2repro.lm.tokenizer import N_VOCAB, get_encoding
 from gpt2repro.runs.loading import load_model
@@ -354,7 +355,7 @@ def test_cli_scores_local_data_and_writes_json(tiny, examples, tmp_path):
 
 def test_cli_whose_json_cannot_be_written_after_scoring_says_so_in_one_line(tiny, examples, tmp_path, monkeypatch,
                                                                            capsys):
-    monkeypatch.setattr(hellaswag, "atomic_open", disk_full)
+    monkeypatch.setattr(cli, "atomic_open", disk_full)
     out = tmp_path / "result.json"
     message = exit_message(capsys, hellaswag.main, "-m", save_train_checkpoint(tiny, tmp_path / "ckpt.pt"), "--data",
                            write_jsonl(tmp_path / "mini.jsonl", EXAMPLES), "--json", out, "--device", "cpu")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sample
+from gpt2repro.common import cli
 from gpt2repro.lm import generate
 from gpt2repro.lm.tokenizer import EOT, N_VOCAB, get_encoding
 from helpers.files import never_ending_inputs
@@ -265,7 +266,7 @@ def test_results_are_printed_as_each_prompt_finishes(eot_model, capsys):
 
 def test_a_json_that_cannot_be_written_at_the_end_is_one_line_after_the_results(padded, tmp_path, monkeypatch, capsys):
     _, ckpt = padded
-    monkeypatch.setattr(sample, "atomic_open", disk_full)
+    monkeypatch.setattr(cli, "atomic_open", disk_full)
     with pytest.raises(SystemExit) as e:
         sample.main(["--model", ckpt, "--prompt", "Hi", "--num_samples", "1", "--max_new_tokens", "4",
                      "--json", str(tmp_path / "out.json")])

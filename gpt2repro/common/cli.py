@@ -11,7 +11,7 @@ import time
 import tomllib
 
 from gpt2repro import REPO
-from gpt2repro.common.atomic import check_writable
+from gpt2repro.common.atomic import atomic_open, check_writable
 from gpt2repro.common.inputs import UnreadableFile, brief, first_line, read_bytes
 
 
@@ -168,6 +168,16 @@ class Parser(argparse.ArgumentParser):
         """The one-line exit for an output path that holds something (state: how, "exists") that
         the script would replace: only its --force replaces it."""
         self.fail(f"{path} {state} (use --force to replace it)")
+
+    def write_json(self, path, value, printed="the result is above"):
+        """value as --json's file at path, whole or not at all; a disk that filled while the script
+        worked is one line, which says where the value was printed already."""
+        try:
+            with atomic_open(path, "w") as f:
+                json.dump(value, f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            self.fail(f"--json {path}: cannot write it ({e.strerror}); {printed}")
 
     def check_output(self, flag, path):
         """A one-line exit unless path can be written: found out before the work, not after it."""
