@@ -21,6 +21,10 @@ its keys and values from the KV cache, packed after it with a mask that keeps ea
 
 train_gpt2.py scores CORE with load_for_run and evaluate; docs/evaluation.md has the rest.
 """
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below, seconds long, is one line, not a traceback
+    from gpt2repro.common.cli import exit_on_ctrl_c
+    exit_on_ctrl_c()
+
 import collections
 import math
 import os

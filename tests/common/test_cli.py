@@ -377,8 +377,8 @@ sys.meta_path.insert(0, SlowFirstImport())
 """
 
 
-@pytest.mark.parametrize("script", ["train_gpt2.py", "sample.py", "hellaswag.py", "export_hf.py", "fineweb.py",
-                                    "bench.py", "checkpoint.py", "plot_log.py"])
+@pytest.mark.parametrize("script", ["train_gpt2.py", "sample.py", "hellaswag.py", "core_eval.py", "export_hf.py",
+                                    "fineweb.py", "bench.py", "checkpoint.py", "plot_log.py"])
 def test_a_ctrl_c_while_a_script_imports_is_one_line_and_exit_code_130(tmp_path, script):
     (tmp_path / "sitecustomize.py").write_text(SLOW_FIRST_IMPORT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
