@@ -32,7 +32,7 @@ from gpt2repro.common.atomic import atomic_open
 from gpt2repro.common.cli import Parser
 from gpt2repro.common.devices import autocast, pick_dtype
 from gpt2repro.common.distributed import Stopped, every_rank, never_stop
-from gpt2repro.common.inputs import UnreadableFile, brief, open_url, read_lines, unicode_problem
+from gpt2repro.common.inputs import UnreadableFile, brief, open_url, parse_lines, unicode_problem
 from gpt2repro.common.progress import progress_meter
 from gpt2repro.evals.continuations import logits_per_chunk
 from gpt2repro.lm.tokenizer import get_encoding, gpt2_vocab_problem
@@ -88,21 +88,12 @@ def parse_example(line):
 def read_examples(path, expected=None):
     """Every example of a HellaSwag jsonl file, each line checked; expected: the count it must
     hold. A file that is not a regular file, or a line longer than inputs.MAX_LINE_CHARS, is refused."""
-    examples = []
     try:
-        for lineno, line in read_lines(path):
-            if not line.strip():
-                continue
-            try:
-                examples.append(parse_example(line))
-            except ValueError as e:
-                raise HellaSwagError(f"{path} line {lineno}: {e}") from None
+        examples = [example for _, example in parse_lines(path, parse_example)]
     except UnreadableFile as e:  # it names the file, and the line
         raise HellaSwagError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise HellaSwagError(f"{path}: cannot read it ({e})") from None
-    if not examples:
-        raise HellaSwagError(f"{path}: no examples")
     if expected is not None and len(examples) != expected:
         raise HellaSwagError(f"{path}: {len(examples)} examples, expected {expected}")
     return examples

@@ -147,3 +147,19 @@ def read_lines(path, max_chars=MAX_LINE_CHARS):
             if len(line) > max_chars:
                 raise UnreadableFile(f"{path} line {number}: more than {max_chars:,} characters")
             yield number, line
+
+
+def parse_lines(path, parse):
+    """[(number, parse(line))] of each line of path that is not blank (read_lines): parse's
+    ValueError is UnreadableFile "PATH line N: why", and so is a file of no such line ("PATH: no
+    examples"); else as read_lines."""
+    parsed = []
+    for number, line in read_lines(path):
+        if line.strip():
+            try:
+                parsed.append((number, parse(line)))
+            except ValueError as e:
+                raise UnreadableFile(f"{path} line {number}: {e}") from None
+    if not parsed:
+        raise UnreadableFile(f"{path}: no examples")
+    return parsed

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import yaml
 
 from gpt2repro import REPO
-from gpt2repro.common.inputs import (UnreadableFile, brief, first_line, open_url, parse_json, read_lines, read_text,
+from gpt2repro.common.inputs import (UnreadableFile, brief, first_line, open_url, parse_json, parse_lines, read_text,
                                      structure_problem, unicode_problem)
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's scripts/base_eval.py
@@ -184,14 +184,8 @@ def read_baselines(path):
 
 def read_examples(task):
     """[(line number, example)] of a task's jsonl file, every line checked; blank lines skipped."""
-    examples = []
     try:
-        for lineno, line in read_lines(task.path):
-            if line.strip():
-                try:
-                    examples.append((lineno, parse_example(line, task.kind)))
-                except ValueError as e:
-                    raise CoreError(f"{task.path} line {lineno}: {e}") from None
+        return parse_lines(task.path, lambda line: parse_example(line, task.kind))
     except FileNotFoundError:
         raise CoreError(f"{task.path}: no such file, yet core.yaml's task {task.label!r} names it: the bundle is "
                         f"incomplete (fetch it anew with `python core_eval.py --download_only --data NEW_DIR`), or "
@@ -200,9 +194,6 @@ def read_examples(task):
         raise CoreError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise CoreError(f"{task.path}: cannot read it ({first_line(e)})") from None
-    if not examples:
-        raise CoreError(f"{task.path}: no examples")
-    return examples
 
 
 FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
